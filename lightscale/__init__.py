@@ -1,0 +1,14 @@
+"""lightscale: pluggable parallelism strategies for Lightning. Change one word, train at any scale.
+
+Example:
+    >>> import lightscale
+    >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
+"""
+
+from lightscale.strategies.registry import register_strategies, strategy_table
+from lightscale.trainer import Trainer
+
+__version__ = "0.1.0"
+__all__ = ["Trainer", "__version__", "register_strategies", "strategy_table"]
+
+register_strategies()

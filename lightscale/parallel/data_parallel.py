@@ -1,0 +1,232 @@
+"""Bucketed data parallelism: gradients all-reduced in buckets while backward is still running.
+
+Parameters are grouped into flat buckets in reverse registration order (roughly the order autograd produces
+their gradients). A post-accumulate-grad hook copies each gradient into its bucket; when a bucket is full
+its all-reduce starts asynchronously, strictly in bucket order so every rank issues the same collectives in
+the same sequence. At the end of backward (an autograd engine callback) the remaining buckets are
+launched, all are waited on, and each ``param.grad`` is a view into its averaged bucket, so gradient
+clipping and the optimizer see the synchronized gradients exactly as with ``torch.nn.parallel.DDP``.
+
+Example:
+    >>> reducer = BucketedGradReducer(model, bucket_cap_mb=25)
+    >>> loss_fn(model(x)).backward()   # gradients are averaged over ranks when this returns
+    >>> with reducer.no_sync():        # gradient-accumulation micro-step: no communication
+    ...     loss_fn(model(x)).backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+Compression = Literal["none", "bf16", "fp16"]
+_WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_MB = 1024 * 1024
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    flat: Tensor  # gradients, in the parameters' dtype
+    wire: Tensor | None = None  # compressed copy sent over the network
+    pending: int = 0
+    handle: dist.Work | None = None
+    ready: set[int] = field(default_factory=set)
+
+    def slot(self, index: int) -> Tensor:
+        param = self.params[index]
+        start = self.offsets[index]
+        return self.flat[start : start + param.numel()].view_as(param)
+
+
+class BucketedGradReducer:
+    """Averages gradients of ``module`` over ``process_group`` with bucketed, overlapped all-reduces.
+
+    Args:
+        module: the (single-device) model; parameters are hooked, the module is not wrapped.
+        bucket_cap_mb: bucket size in MiB; larger buckets mean fewer, bigger messages.
+        first_bucket_cap_mb: size of the first bucket (the last layers), kept small so communication starts early.
+        compression: ``"bf16"``/``"fp16"`` halve the bytes on the wire (the sum is taken in that dtype).
+        find_unused_parameters: reduce zeros for parameters that got no gradient instead of raising.
+        process_group: the data-parallel group (default: the world).
+        broadcast_from_rank0: copy rank 0's parameters and buffers to every rank first.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        compression: Compression = "none",
+        find_unused_parameters: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_from_rank0: bool = True,
+    ) -> None:
+        validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
+        validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
+        if compression not in ("none", *_WIRE_DTYPES):
+            raise ValueError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.find_unused_parameters = find_unused_parameters
+        self.require_sync = True
+        if broadcast_from_rank0:
+            broadcast_module_state(module, process_group=process_group)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        caps = (int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        self.buckets = _build_buckets(reversed(named), caps, _WIRE_DTYPES.get(compression))
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self._hooks: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
+        ]
+        self._next_launch = 0
+        self._in_backward = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside this block."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def remove(self) -> None:
+        """Detach the hooks; the module trains locally afterwards."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        b, i = self._where[id(param)]
+        bucket = self.buckets[b]
+        _move_grad_into(bucket, i)
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # Pre-divide so the sum is the mean (gloo has no AVG); fp32 before any cast keeps precision.
+        bucket.flat.div_(self.world_size)
+        payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
+        bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        missing = [bucket.names[i] for bucket in self.buckets for i in _unready(bucket)]
+        if missing and not self.find_unused_parameters:
+            self._reset()
+            raise RuntimeError(
+                f"bucketed_ddp: {len(missing)} parameter(s) received no gradient in this backward pass: "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}. Use them in the loss, set requires_grad=False "
+                "on them, or pass find_unused_parameters=True to reduce zeros for them."
+            )
+        for bucket in self.buckets:
+            for i in _unready(bucket):
+                _move_grad_into(bucket, i)
+                bucket.ready.add(i)
+        self._launch_in_order()
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            if bucket.wire is not None:
+                bucket.flat.copy_(bucket.wire)
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.handle = None
+        self._next_launch = 0
+
+
+def validate_bucket_cap(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name}={value!r} is not valid: a bucket size in MiB must be a positive number, e.g. 25.")
+
+
+def _unready(bucket: _Bucket) -> list[int]:
+    return [i for i in range(len(bucket.params)) if i not in bucket.ready]
+
+
+def _move_grad_into(bucket: _Bucket, index: int) -> None:
+    """Make ``param.grad`` a view of its bucket slot, copying (or zeroing) the local gradient into it."""
+    param, slot = bucket.params[index], bucket.slot(index)
+    grad = param.grad
+    if grad is not None and grad.data_ptr() == slot.data_ptr():
+        return  # already accumulated in place into the bucket
+    if grad is None:
+        slot.zero_()  # an unused parameter contributes zeros (find_unused_parameters=True)
+    else:
+        slot.copy_(grad)
+    param.grad = slot
+
+
+def _build_buckets(
+    named: Iterable[tuple[str, nn.Parameter]], caps: tuple[int, int], wire_dtype: torch.dtype | None
+) -> list[_Bucket]:
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, param in named:
+        cap = caps[0] if len(groups) <= 1 else caps[1]
+        nbytes = param.numel() * param.element_size()
+        same_kind = groups and _kind(groups[-1][0][1]) == _kind(param)
+        if not groups or not same_kind or (size + nbytes > cap and size > 0):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, param))
+        size += nbytes
+    return [_make_bucket(group, wire_dtype) for group in groups]
+
+
+def _kind(param: Tensor) -> tuple[torch.dtype, torch.device]:
+    return param.dtype, param.device
+
+
+def _make_bucket(group: list[tuple[str, nn.Parameter]], wire_dtype: torch.dtype | None) -> _Bucket:
+    params = [p for _, p in group]
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += param.numel()
+    flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    wire = None if wire_dtype is None else torch.zeros(total, dtype=wire_dtype, device=flat.device)
+    return _Bucket(params=params, names=[n for n, _ in group], offsets=offsets, flat=flat, wire=wire)
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, *, src: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+    """Copy parameters and buffers from rank ``src`` to every rank, one flat message per dtype."""
+    tensors = [*module.parameters(), *module.buffers()]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault(_kind(tensor), []).append(tensor)
+    for group in by_kind.values():
+        flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+        dist.broadcast(
+            flat, src=dist.get_global_rank(process_group, src) if process_group else src, group=process_group
+        )
+        for tensor, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group), strict=True):
+            tensor.copy_(synced)

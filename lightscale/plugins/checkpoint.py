@@ -1,0 +1,37 @@
+"""Checkpoint I/O that never unpickles arbitrary code.
+
+Lightning's ``TorchCheckpointIO`` already writes atomically (temporary file, then rename); lightscale's
+plugin adds the safe default for reading: ``torch.load(weights_only=True)``, with the few plain containers
+Lightning stores in a checkpoint allow-listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+
+def _safe_globals() -> list[Any]:
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Atomic saves; loads with ``weights_only=True`` unless the caller explicitly trusts the file."""
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        trusted_code = weights_only is False  # only an explicit False opts out
+        with torch.serialization.safe_globals(_safe_globals()):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=not trusted_code)

@@ -1,0 +1,27 @@
+"""One meaning of each precision name under every lightscale strategy.
+
+Lightning silently turns ``precision="16-mixed"`` into ``"bf16-mixed"`` on CPU; lightscale never changes a
+setting behind the user's back, so on CPU it runs fp16 autocast with a real gradient scaler (torch supports
+both on CPU) and otherwise leaves the choice to Lightning's standard plugins.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+SUPPORTED = ("32", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+def check_precision(precision: str | int | None) -> None:
+    """Reject precision names lightscale strategies do not give one meaning to."""
+    if precision is None or str(precision) in SUPPORTED:
+        return
+    raise ValueError(f"precision={precision!r} is not supported by lightscale; choose one of {', '.join(SUPPORTED)}.")
+
+
+def maybe_cpu_fp16_plugin(precision: str | int | None, accelerator: object) -> Precision | None:
+    """The plugin that keeps ``16-mixed`` meaning fp16 + loss scaling on CPU, or None to let Lightning decide."""
+    if str(precision) != "16-mixed" or accelerator != "cpu":
+        return None
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

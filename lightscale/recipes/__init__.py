@@ -1,0 +1,1 @@
+"""Reference recipes (model + data + LightningModule) that the strategies are exercised on."""

@@ -1,0 +1,7 @@
+"""A nanoGPT-sized decoder-only transformer recipe: single-device model, byte-level data, LightningModule."""
+
+from lightscale.recipes.gpt.data import ByteTokenizer, GPTDataModule
+from lightscale.recipes.gpt.model import GPT, GPTConfig
+from lightscale.recipes.gpt.module import GPTModule
+
+__all__ = ["GPT", "ByteTokenizer", "GPTConfig", "GPTDataModule", "GPTModule"]

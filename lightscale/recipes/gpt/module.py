@@ -1,0 +1,112 @@
+"""LightningModule for the GPT recipe: next-token cross-entropy, AdamW, warmup + cosine learning rate.
+
+Example:
+    >>> module = GPTModule(GPTConfig(n_layer=2, n_head=2, n_embd=64), learning_rate=3e-3)
+    >>> lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=50).fit(
+    ...     module, GPTDataModule(block_size=128, batch_size=8))
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from typing_extensions import override
+
+from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier after ``step`` optimizer steps: linear warmup, then cosine to ``min_lr_ratio`` at ``max_steps``.
+
+    ``max_steps=-1`` (no end known) keeps the multiplier at 1 after warmup.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps  # +1: the first step already learns instead of using lr=0
+    if max_steps < 0:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class GPTModule(pl.LightningModule):
+    """Trains :class:`GPT` on ``(tokens, targets)`` batches; plain typed arguments so LightningCLI can build it."""
+
+    def __init__(
+        self,
+        config: GPTConfig | None = None,
+        *,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if learning_rate <= 0 or weight_decay < 0 or warmup_steps < 0:
+            raise ValueError(
+                f"need learning_rate > 0, weight_decay >= 0, warmup_steps >= 0; "
+                f"got {learning_rate}, {weight_decay}, {warmup_steps}"
+            )
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.save_hyperparameters()
+        self.config = config or GPTConfig()
+        self.model = GPT(self.config)
+        self.flops_per_token = flops_per_token(self.config)
+        # Read by throughput callbacks; one full sequence until the first batch tells the real size.
+        self.flops_per_batch: int = self.flops_per_token * self.config.block_size
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.flops_per_batch = self.flops_per_token * batch[0].numel()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("test/loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        # Weight decay on matrices only (nanoGPT): decaying LayerNorm gains and biases only hurts.
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        schedule = partial(
+            warmup_cosine,
+            warmup_steps=hp.warmup_steps,
+            max_steps=self.trainer.max_steps,
+            min_lr_ratio=hp.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,15 @@
+"""Parallelism strategies; each registers its names in Lightning's ``StrategyRegistry``."""
+
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
+
+__all__ = [
+    "BucketedDDPStrategy",
+    "LightscaleStrategy",
+    "ParallelDims",
+    "check_strategy",
+    "register_strategies",
+    "strategy_table",
+]

@@ -1,0 +1,224 @@
+"""The base every lightscale strategy shares, on Lightning's ``ParallelStrategy``.
+
+What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
+parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
+plugins, applying parallelism to the model from outside it, and teardown.
+
+What a subclass supplies:
+    * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
+    * ``apply_parallelism(module)`` - wrap/shard/hook the single-device model for training;
+    * optionally, taking over the step: ``backward`` (a pipeline schedule runs forward+backward of every
+      microbatch there, because Lightning calls ``zero_grad`` between ``training_step`` and ``backward``)
+      and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
+    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry``.
+See docs/architecture.md for the call path of one training step.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightscale.parallel.data_parallel import broadcast_module_state
+from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.strategies.mesh import ParallelDims
+
+log = logging.getLogger(__name__)
+
+
+class LightscaleStrategy(ParallelStrategy):
+    """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
+
+    aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or SafeCheckpointIO(),
+            precision_plugin=precision_plugin,
+        )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} is not valid: the collective timeout must be positive seconds.")
+        self._num_nodes = 1
+        self._backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self._owns_process_group = False
+        self._dims: ParallelDims | None = None
+        self._mesh: DeviceMesh | None = None
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The layout of this strategy for ``world_size`` ranks; the default is pure data parallelism."""
+        return ParallelDims(world_size=world_size, dp_replicate=-1)
+
+    @property
+    def dims(self) -> ParallelDims:
+        if self._dims is None:
+            self._dims = self.parallel_dims(self.world_size)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The named DeviceMesh of :attr:`dims`, built on first use (it creates process sub-groups)."""
+        if self._mesh is None:
+            self._mesh = self.dims.build_mesh(self.root_device.type)
+        return self._mesh
+
+    # ---- devices and processes ---------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks that share a batch (tensor/pipeline parallel) share a data shard: shard over data-parallel ranks.
+        dims = self.dims
+        dp_rank = self.global_rank // (self.world_size // dims.dp) % dims.dp if dims.dp > 1 else 0
+        return {"num_replicas": dims.dp, "rank": dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._owns_process_group = not dist.is_initialized()
+        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- the model ---------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.model = self.apply_parallelism(self.model)
+            self.setup_optimizers(trainer)
+        else:
+            broadcast_module_state(self.model)  # evaluate the weights rank 0 has
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_parallelism(self, module: LightningModule) -> nn.Module:
+        """Parallelize the single-device ``module`` for training, in place or by wrapping; return the result."""
+        return module
+
+    def gradient_sync_context(self) -> AbstractContextManager:
+        """Context in which backward accumulates locally (a gradient-accumulation micro-step)."""
+        return nullcontext()
+
+    @override
+    def block_backward_sync(self) -> AbstractContextManager:
+        return self.gradient_sync_context()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- collectives ---------------------------------------------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- registry and teardown -----------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, (description, init_params) in cls.aliases.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    @override
+    def teardown(self) -> None:
+        lightning_module = self.lightning_module
+        if lightning_module is not None:
+            self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
+        super().teardown()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+        self._mesh = None

@@ -1,0 +1,42 @@
+"""lightscale's strategy names in Lightning's ``StrategyRegistry``, and the error for names that are not there.
+
+Example:
+    >>> import lightscale, lightning
+    >>> lightning.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2)
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+
+STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy,)
+
+
+def register_strategies() -> None:
+    """Register every lightscale strategy name (idempotent; runs on ``import lightscale``)."""
+    for cls in STRATEGIES:
+        cls.register_strategies(StrategyRegistry)
+
+
+def strategy_table() -> list[tuple[str, str]]:
+    """(name, one-line description) of every lightscale strategy, in registration order."""
+    return [(name, description) for cls in STRATEGIES for name, (description, _) in cls.aliases.items()]
+
+
+def check_strategy(strategy: str | Strategy) -> None:
+    """Raise a ValueError naming the closest valid strategy if ``strategy`` is an unknown name."""
+    if not isinstance(strategy, str) or strategy.lower() == "auto" or strategy.lower() in StrategyRegistry:
+        return
+    ours = [name for name, _ in strategy_table()]
+    theirs = sorted(set(StrategyRegistry.available_strategies()) - set(ours))
+    closest = difflib.get_close_matches(strategy.lower(), ["auto", *ours, *theirs], n=1, cutoff=0.5)
+    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    raise ValueError(
+        f"Unknown strategy {strategy!r}.{hint} lightscale strategies: {', '.join(ours)}. "
+        f"Lightning strategies: auto, {', '.join(theirs)}. Run `lightscale strategies` for descriptions."
+    )

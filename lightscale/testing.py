@@ -1,0 +1,130 @@
+"""Run a function on N ``gloo`` ranks inside one Python process (pytest, a benchmark) with a hard timeout.
+
+Forked children start in milliseconds and inherit the parent's imports. Each child gets one OpenMP thread
+(an OpenMP pool does not survive ``fork``), the torchrun environment variables (so Lightning treats the
+processes as launched externally and never re-runs the command) and a process group whose collectives time
+out, so a bug fails fast instead of hanging CI.
+
+Example:
+    >>> def world(): return torch.distributed.get_world_size()
+    >>> run_distributed(world, world_size=2)
+    [2, 2]
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int,
+    timeout_s: float = 180.0,
+    collective_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, collective_timeout_s, fn, args, kwargs, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(results, procs, timeout_s)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+
+
+def _collect(results: Any, procs: list[Any], timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    outcome: dict[int, tuple[str, Any]] = {}
+    while len(outcome) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(len(procs))) - set(outcome))
+            raise TimeoutError(f"Ranks {missing} did not finish within {timeout_s:.0f} s (a hang or a deadlock).")
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except Exception:  # queue.Empty: check for ranks that died without reporting
+            _raise_if_died(procs, outcome)
+            continue
+        if status == "error":
+            raise RankFailed(f"rank {rank} failed:\n{value}")
+        outcome[rank] = (status, value)
+    return [pickle.loads(outcome[rank][1]) for rank in range(len(procs))]
+
+
+def _raise_if_died(procs: list[Any], outcome: dict[int, Any]) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0):
+            raise RankFailed(f"rank {rank} died with exit code {proc.exitcode} before reporting a result.")
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    collective_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        results.close()
+        results.join_thread()
+        os._exit(0)  # skip the parent's atexit handlers (pytest's among them)

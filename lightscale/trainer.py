@@ -1,0 +1,56 @@
+"""``lightscale.Trainer``: Lightning's Trainer with lightscale's names registered and input checked up front."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer as LightningTrainer
+
+from lightscale.plugins.precision import check_precision, maybe_cpu_fp16_plugin
+from lightscale.strategies.registry import check_strategy, register_strategies
+
+
+class Trainer(LightningTrainer):
+    """A ``lightning.Trainer`` that knows lightscale's strategies without ``import lightscale`` side effects.
+
+    Before any work starts it rejects unknown strategy names (naming the closest match), more devices than the
+    machine has, and precision names without one meaning under every strategy.
+
+    Example:
+        >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        register_strategies()
+        check_strategy(kwargs.get("strategy", "auto"))
+        check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
+        check_precision(kwargs.get("precision"))
+        fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator"))
+        if fp16_on_cpu is not None:
+            kwargs["precision"] = None
+            kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
+        super().__init__(*args, **kwargs)
+
+
+def check_devices(accelerator: Any, devices: Any) -> None:
+    """Reject a device count larger than this machine has, before Lightning starts processes."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        return  # "auto", -1, lists and strings are resolved (and checked) by Lightning
+    if "WORLD_SIZE" in os.environ:
+        return  # launched externally (torchrun, a cluster): the launcher decided how many processes run here
+    wants_gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    available = torch.cuda.device_count() if wants_gpu else os.cpu_count() or 1
+    kind = "CUDA devices" if wants_gpu else "CPU cores"
+    if devices > available:
+        raise ValueError(
+            f"devices={devices} but this machine has {available} {kind}; valid values are 1..{available} "
+            "(or launch the processes yourself, e.g. with torchrun, to oversubscribe on purpose)."
+        )
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
