@@ -106,6 +106,11 @@ class LightscaleStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide metric syncing and distributed samplers.
+        return True
+
+    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 

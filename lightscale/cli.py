@@ -1,0 +1,92 @@
+"""``lightscale fit|validate|test --config CONFIG`` on LightningCLI, and ``lightscale strategies``.
+
+CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
+YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
+
+Example:
+    $ lightscale fit --config gpt/tiny_ddp.yaml --trainer.max_steps 20
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from importlib import resources
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightscale.strategies.registry import strategy_table
+from lightscale.trainer import Trainer
+
+CONFIG_FLAGS = ("--config", "-c")
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with the recipes, e.g. ``gpt/tiny_ddp.yaml``."""
+    root = resources.files("lightscale.recipes")
+    return sorted(
+        f"{recipe.name}/{config.name}"
+        for recipe in root.iterdir()
+        if recipe.is_dir() and (recipe / "configs").is_dir()
+        for config in (recipe / "configs").iterdir()
+        if config.name.endswith(".yaml")
+    )
+
+
+def resolve_config(name: str) -> str:
+    """A config path for ``name``: an existing file, or the packaged recipe config of that name."""
+    if Path(name).is_file():
+        return name
+    recipe, _, file = name.partition("/")
+    packaged = resources.files("lightscale.recipes") / recipe / "configs" / file
+    if file and packaged.is_file():
+        return str(packaged)
+    known = packaged_configs()
+    closest = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    raise SystemExit(f"error: config {name!r} is neither a file nor a packaged config.{hint} Packaged: {known}")
+
+
+def resolve_config_args(argv: list[str]) -> list[str]:
+    """Replace packaged config names after ``--config``/``-c`` (also ``--config=NAME``) by their paths."""
+    resolved: list[str] = []
+    expect_config = False
+    for arg in argv:
+        if expect_config:
+            resolved.append(resolve_config(arg))
+            expect_config = False
+        elif arg in CONFIG_FLAGS:
+            resolved.append(arg)
+            expect_config = True
+        elif arg.startswith("--config="):
+            resolved.append("--config=" + resolve_config(arg.split("=", 1)[1]))
+        else:
+            resolved.append(arg)
+    return resolved
+
+
+def print_strategies() -> None:
+    rows = strategy_table()
+    width = max(len(name) for name, _ in rows)
+    print(f"{'strategy'.ljust(width)}  description")
+    for name, description in rows:
+        print(f"{name.ljust(width)}  {description}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["strategies"]:
+        print_strategies()
+        return
+    LightningCLI(
+        trainer_class=Trainer,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=resolve_config_args(args),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Training runs shared by the distributed tests: the tiny GPT for a few steps under a given strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+import lightscale
+from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+
+TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+class StepLosses(pl.Callback):
+    """Loss of every optimizer step, averaged over micro-batches and over data-parallel ranks."""
+
+    def __init__(self) -> None:
+        self.micro: list[float] = []
+        self.steps: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.micro.append(float(outputs["loss"]))
+        if len(self.micro) == trainer.accumulate_grad_batches:
+            # Lightning reports each micro-batch loss already divided by accumulate_grad_batches: sum them.
+            mean = torch.tensor(sum(self.micro), dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(mean)
+                mean /= dist.get_world_size()
+            self.steps.append(mean.item())
+            self.micro.clear()
+
+
+def train_tiny_gpt(
+    strategy: Any,
+    *,
+    devices: int,
+    batch_size: int,
+    cache_dir: str,
+    max_steps: int = 20,
+    accumulate: int = 1,
+    config: GPTConfig = TINY,
+    **trainer_kwargs: Any,
+) -> list[float]:
+    """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step."""
+    pl.seed_everything(1234, verbose=False)
+    module = GPTModule(config, learning_rate=3e-3, warmup_steps=3)
+    data = GPTDataModule(block_size=config.block_size, batch_size=batch_size, cache_dir=cache_dir)
+    losses = StepLosses()
+    trainer = lightscale.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[losses],
+        **trainer_kwargs,
+    )
+    trainer.fit(module, data)
+    return losses.steps
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
