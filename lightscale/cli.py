@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
+from lightscale.errors import ConfigurationError
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
 
@@ -79,13 +80,16 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["strategies"]:
         print_strategies()
         return
-    LightningCLI(
-        trainer_class=Trainer,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=resolve_config_args(args),
-    )
+    try:
+        LightningCLI(
+            trainer_class=Trainer,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=resolve_config_args(args),
+        )
+    except ConfigurationError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer as LightningTrainer
 
+from lightscale.errors import ConfigurationError
 from lightscale.plugins.precision import check_precision, maybe_cpu_fp16_plugin
 from lightscale.strategies.registry import check_strategy, register_strategies
 
@@ -44,7 +45,7 @@ def check_devices(accelerator: Any, devices: Any) -> None:
     available = torch.cuda.device_count() if wants_gpu else os.cpu_count() or 1
     kind = "CUDA devices" if wants_gpu else "CPU cores"
     if devices > available:
-        raise ValueError(
+        raise ConfigurationError(
             f"devices={devices} but this machine has {available} {kind}; valid values are 1..{available} "
             "(or launch the processes yourself, e.g. with torchrun, to oversubscribe on purpose)."
         )

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightscale.errors import ConfigurationError
+
 Compression = Literal["none", "bf16", "fp16"]
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MB = 1024 * 1024
@@ -75,7 +77,7 @@ class BucketedGradReducer:
         validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
         validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
         if compression not in ("none", *_WIRE_DTYPES):
-            raise ValueError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+            raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.find_unused_parameters = find_unused_parameters
@@ -164,7 +166,9 @@ class BucketedGradReducer:
 
 def validate_bucket_cap(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{name}={value!r} is not valid: a bucket size in MiB must be a positive number, e.g. 25.")
+        raise ConfigurationError(
+            f"{name}={value!r} is not valid: a bucket size in MiB must be a positive number, e.g. 25."
+        )
 
 
 def _unready(bucket: _Bucket) -> list[int]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+from lightscale.errors import ConfigurationError
+
 SUPPORTED = ("32", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
@@ -17,7 +19,9 @@ def check_precision(precision: str | int | None) -> None:
     """Reject precision names lightscale strategies do not give one meaning to."""
     if precision is None or str(precision) in SUPPORTED:
         return
-    raise ValueError(f"precision={precision!r} is not supported by lightscale; choose one of {', '.join(SUPPORTED)}.")
+    raise ConfigurationError(
+        f"precision={precision!r} is not supported by lightscale; choose one of {', '.join(SUPPORTED)}."
+    )
 
 
 def maybe_cpu_fp16_plugin(precision: str | int | None, accelerator: object) -> Precision | None:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.mesh import ParallelDims
@@ -72,7 +73,9 @@ class LightscaleStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} is not valid: the collective timeout must be positive seconds.")
+            raise ConfigurationError(
+                f"timeout_s={timeout_s!r} is not valid: the collective timeout must be positive seconds."
+            )
         self._num_nodes = 1
         self._backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_s)

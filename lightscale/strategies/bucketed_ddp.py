@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
+from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_bucket_cap
 from lightscale.strategies.base import LightscaleStrategy
 
@@ -49,7 +50,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
         validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
         if compression not in ("none", "bf16", "fp16"):
-            raise ValueError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+            raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.compression = compression

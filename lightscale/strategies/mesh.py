@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightscale.errors import ConfigurationError
+
 # Outer to inner: pipeline stages talk least, tensor-parallel ranks talk most, so tp is the fastest-varying axis.
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 
@@ -32,14 +34,14 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
+            raise ConfigurationError(f"world_size must be >= 1, got {self.world_size}.")
         degrees = {name: getattr(self, name) for name in AXIS_ORDER}
         bad = {name: d for name, d in degrees.items() if d != -1 and d < 1}
         if bad:
-            raise ValueError(f"Parallel degrees must be positive integers or -1 (infer), got {bad}.")
+            raise ConfigurationError(f"Parallel degrees must be positive integers or -1 (infer), got {bad}.")
         inferred = [name for name, d in degrees.items() if d == -1]
         if len(inferred) > 1:
-            raise ValueError(f"Only one parallel degree may be -1 (inferred), got -1 for {inferred}.")
+            raise ConfigurationError(f"Only one parallel degree may be -1 (inferred), got -1 for {inferred}.")
         if inferred:
             self._infer(inferred[0], degrees)
         self._check_product()
@@ -47,7 +49,7 @@ class ParallelDims:
     def _infer(self, name: str, degrees: dict[str, int]) -> None:
         known = _product(d for n, d in degrees.items() if n != name)
         if self.world_size % known:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Cannot infer {name}: world size {self.world_size} is not divisible by the product of the other "
                 f"degrees ({known}). Valid products divide {self.world_size}: {_divisors(self.world_size)}."
             )
@@ -57,7 +59,7 @@ class ParallelDims:
         product = _product(getattr(self, name) for name in AXIS_ORDER)
         if product != self.world_size:
             shown = " x ".join(f"{name}={getattr(self, name)}" for name in AXIS_ORDER if getattr(self, name) > 1)
-            raise ValueError(
+            raise ConfigurationError(
                 f"Parallel degrees {shown or 'all 1'} multiply to {product}, but the world size is {self.world_size}. "
                 f"Choose degrees whose product is {self.world_size} (each a divisor of it: "
                 f"{_divisors(self.world_size)}), or set one degree to -1 to infer it."

@@ -11,6 +11,7 @@ import difflib
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 
@@ -36,7 +37,7 @@ def check_strategy(strategy: str | Strategy) -> None:
     theirs = sorted(set(StrategyRegistry.available_strategies()) - set(ours))
     closest = difflib.get_close_matches(strategy.lower(), ["auto", *ours, *theirs], n=1, cutoff=0.5)
     hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    raise ValueError(
+    raise ConfigurationError(
         f"Unknown strategy {strategy!r}.{hint} lightscale strategies: {', '.join(ours)}. "
         f"Lightning strategies: auto, {', '.join(theirs)}. Run `lightscale strategies` for descriptions."
     )
