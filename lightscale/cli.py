@@ -80,13 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["strategies"]:
         print_strategies()
         return
+    if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
+        sys.argv[1:] = resolve_config_args(args)
     try:
         LightningCLI(
             trainer_class=Trainer,
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            args=resolve_config_args(args),
+            args=None if argv is None else resolve_config_args(args),
         )
     except ConfigurationError as error:
         raise SystemExit(f"error: {error}") from None
