@@ -75,6 +75,18 @@ def print_strategies() -> None:
         print(f"{name.ljust(width)}  {description}")
 
 
+def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
+    """LightningCLI over any LightningModule/DataModule (``class_path`` in YAML) and ``lightscale.Trainer``."""
+    return LightningCLI(
+        trainer_class=Trainer,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["strategies"]:
@@ -83,13 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolve_config_args(args)
     try:
-        LightningCLI(
-            trainer_class=Trainer,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            args=None if argv is None else resolve_config_args(args),
-        )
+        build_cli(None if argv is None else resolve_config_args(args))
     except ConfigurationError as error:
         raise SystemExit(f"error: {error}") from None
 

@@ -53,7 +53,6 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(rank, world_size, port, collective_timeout_s, fn, args, kwargs, results),
-            daemon=True,
         )
         for rank in range(world_size)
     ]

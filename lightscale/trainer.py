@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer as LightningTrainer
 
 from lightscale.errors import ConfigurationError
@@ -28,7 +29,7 @@ class Trainer(LightningTrainer):
         check_strategy(kwargs.get("strategy", "auto"))
         check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
         check_precision(kwargs.get("precision"))
-        fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator"))
+        fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
         if fp16_on_cpu is not None:
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
@@ -39,8 +40,8 @@ def check_devices(accelerator: Any, devices: Any) -> None:
     """Reject a device count larger than this machine has, before Lightning starts processes."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         return  # "auto", -1, lists and strings are resolved (and checked) by Lightning
-    if "WORLD_SIZE" in os.environ:
-        return  # launched externally (torchrun, a cluster): the launcher decided how many processes run here
+    if _launched_externally():
+        return  # torchrun, a cluster or a test harness decided how many processes run here
     wants_gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     available = torch.cuda.device_count() if wants_gpu else os.cpu_count() or 1
     kind = "CUDA devices" if wants_gpu else "CPU cores"
@@ -49,6 +50,11 @@ def check_devices(accelerator: Any, devices: Any) -> None:
             f"devices={devices} but this machine has {available} {kind}; valid values are 1..{available} "
             "(or launch the processes yourself, e.g. with torchrun, to oversubscribe on purpose)."
         )
+
+
+def _launched_externally() -> bool:
+    # LOCAL_RANK is what Lightning itself checks; WORLD_SIZE is removed by its teardown after a first fit().
+    return dist.is_initialized() or "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
 
 
 def _as_list(value: Any) -> list[Any]:

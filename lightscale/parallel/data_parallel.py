@@ -61,6 +61,7 @@ class BucketedGradReducer:
         find_unused_parameters: reduce zeros for parameters that got no gradient instead of raising.
         process_group: the data-parallel group (default: the world).
         broadcast_from_rank0: copy rank 0's parameters and buffers to every rank first.
+        broadcast_buffers: let :meth:`sync_buffers` copy rank 0's buffers (call it before each forward).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class BucketedGradReducer:
         find_unused_parameters: bool = False,
         process_group: dist.ProcessGroup | None = None,
         broadcast_from_rank0: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
         validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
@@ -91,8 +93,11 @@ class BucketedGradReducer:
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
+        self._where_params = [p for _, p in named]
+        self._buffers = list(module.buffers()) if broadcast_buffers else []
+        self._scale = 1.0 / self.world_size
         self._next_launch = 0
-        self._in_backward = False
+        self._graph_task: int | None = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -109,15 +114,23 @@ class BucketedGradReducer:
             hook.remove()
         self._hooks.clear()
 
+    def sync_buffers(self) -> None:
+        """Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank, as torch DDP does each forward."""
+        if self._buffers:
+            broadcast_tensors(self._buffers, process_group=self.process_group)
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.require_sync:
             return
-        if not self._in_backward:
-            self._in_backward = True
+        graph_task = torch._C._current_graph_task_id()
+        if graph_task != self._graph_task:
+            # First gradient of this backward. Resetting here also drops state a failed backward left behind.
+            self._reset()
+            self._graph_task = graph_task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
         bucket = self.buckets[b]
-        _move_grad_into(bucket, i)
+        _move_grad_into(bucket, i, self._scale)
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params):
             self._launch_in_order()
@@ -127,41 +140,54 @@ class BucketedGradReducer:
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
                 return
-            self._launch(bucket)
+            payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
+            bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
-        # Pre-divide so the sum is the mean (gloo has no AVG); fp32 before any cast keeps precision.
-        bucket.flat.div_(self.world_size)
-        payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
-        bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
-
     def _finish_backward(self) -> None:
-        self._in_backward = False
-        missing = [bucket.names[i] for bucket in self.buckets for i in _unready(bucket)]
-        if missing and not self.find_unused_parameters:
-            self._reset()
-            raise RuntimeError(
-                f"bucketed_ddp: {len(missing)} parameter(s) received no gradient in this backward pass: "
-                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}. Use them in the loss, set requires_grad=False "
-                "on them, or pass find_unused_parameters=True to reduce zeros for them."
-            )
-        for bucket in self.buckets:
-            for i in _unready(bucket):
-                _move_grad_into(bucket, i)
+        try:
+            unused = [(bucket, i) for bucket in self.buckets for i in _unready(bucket)]
+            if unused and not self.find_unused_parameters:
+                self._wait_launched()  # leave no collective of ours in flight
+                names = [bucket.names[i] for bucket, i in unused]
+                raise RuntimeError(
+                    f"bucketed_ddp: {len(names)} parameter(s) received no gradient in this backward pass: "
+                    f"{names[:8]}{' ...' if len(names) > 8 else ''}. Use them in the loss, set requires_grad=False "
+                    "on them, or pass find_unused_parameters=True to reduce zeros for them."
+                )
+            for bucket, i in unused:
+                _move_grad_into(bucket, i, self._scale)
                 bucket.ready.add(i)
-        self._launch_in_order()
-        for bucket in self.buckets:
+            self._launch_in_order()
+            if self.find_unused_parameters:
+                self._drop_grads_unused_everywhere(unused)
+            self._wait_launched()
+        finally:
+            self._reset()
+
+    def _drop_grads_unused_everywhere(self, unused: list[tuple[_Bucket, int]]) -> None:
+        # Like torch DDP: a parameter no rank used keeps grad=None, so the optimizer leaves it alone.
+        used = torch.ones(len(self._where), device=self.buckets[0].flat.device)
+        index = {id(p): n for n, p in enumerate(self._where_params)}
+        for bucket, i in unused:
+            used[index[id(bucket.params[i])]] = 0
+        dist.all_reduce(used, group=self.process_group)
+        for bucket, i in unused:
+            if used[index[id(bucket.params[i])]] == 0:
+                bucket.params[i].grad = None
+
+    def _wait_launched(self) -> None:
+        for bucket in self.buckets[: self._next_launch]:
             bucket.handle.wait()
             if bucket.wire is not None:
                 bucket.flat.copy_(bucket.wire)
-        self._reset()
 
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.handle = None
         self._next_launch = 0
+        self._graph_task = None
 
 
 def validate_bucket_cap(name: str, value: float) -> None:
@@ -175,16 +201,19 @@ def _unready(bucket: _Bucket) -> list[int]:
     return [i for i in range(len(bucket.params)) if i not in bucket.ready]
 
 
-def _move_grad_into(bucket: _Bucket, index: int) -> None:
-    """Make ``param.grad`` a view of its bucket slot, copying (or zeroing) the local gradient into it."""
+def _move_grad_into(bucket: _Bucket, index: int, scale: float) -> None:
+    """Make ``param.grad`` a view of its bucket slot holding ``scale * grad`` (zeros for no gradient).
+
+    Scaling by 1/world_size while copying saves a pass over the bucket: the all-reduced sum is the mean.
+    """
     param, slot = bucket.params[index], bucket.slot(index)
     grad = param.grad
     if grad is not None and grad.data_ptr() == slot.data_ptr():
-        return  # already accumulated in place into the bucket
-    if grad is None:
+        slot.mul_(scale)  # accumulated in place into the bucket (zero_grad(set_to_none=False))
+    elif grad is None:
         slot.zero_()  # an unused parameter contributes zeros (find_unused_parameters=True)
     else:
-        slot.copy_(grad)
+        torch.mul(grad, scale, out=slot)
     param.grad = slot
 
 
@@ -205,6 +234,17 @@ def _build_buckets(
     return [_make_bucket(group, wire_dtype) for group in groups]
 
 
+def _wire_buffer(flat: Tensor, wire_dtype: torch.dtype) -> Tensor | None:
+    if wire_dtype == flat.dtype:
+        return None  # gradients already travel in that dtype
+    if torch.empty((), dtype=wire_dtype).element_size() >= flat.element_size():
+        raise ConfigurationError(
+            f"compression to {wire_dtype} saves nothing for {flat.dtype} parameters (and fp16 would overflow where "
+            f"bf16 does not); use compression='none' or 'bf16'."
+        )
+    return torch.zeros(flat.numel(), dtype=wire_dtype, device=flat.device)
+
+
 def _kind(param: Tensor) -> tuple[torch.dtype, torch.device]:
     return param.dtype, param.device
 
@@ -216,21 +256,23 @@ def _make_bucket(group: list[tuple[str, nn.Parameter]], wire_dtype: torch.dtype 
         offsets.append(total)
         total += param.numel()
     flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-    wire = None if wire_dtype is None else torch.zeros(total, dtype=wire_dtype, device=flat.device)
+    wire = None if wire_dtype is None else _wire_buffer(flat, wire_dtype)
     return _Bucket(params=params, names=[n for n, _ in group], offsets=offsets, flat=flat, wire=wire)
 
 
-@torch.no_grad()
 def broadcast_module_state(module: nn.Module, *, src: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
-    """Copy parameters and buffers from rank ``src`` to every rank, one flat message per dtype."""
-    tensors = [*module.parameters(), *module.buffers()]
+    """Copy parameters and buffers from rank ``src`` of the group to every rank."""
+    broadcast_tensors([*module.parameters(), *module.buffers()], src=src, process_group=process_group)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[Tensor], *, src: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+    """Broadcast ``tensors`` in place from rank ``src`` of the group, one flat message per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault(_kind(tensor), []).append(tensor)
     for group in by_kind.values():
         flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
-        dist.broadcast(
-            flat, src=dist.get_global_rank(process_group, src) if process_group else src, group=process_group
-        )
+        dist.broadcast(flat, group=process_group, group_src=src)
         for tensor, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group), strict=True):
             tensor.copy_(synced)

@@ -26,6 +26,7 @@ def check_precision(precision: str | int | None) -> None:
 
 def maybe_cpu_fp16_plugin(precision: str | int | None, accelerator: object) -> Precision | None:
     """The plugin that keeps ``16-mixed`` meaning fp16 + loss scaling on CPU, or None to let Lightning decide."""
-    if str(precision) != "16-mixed" or accelerator != "cpu":
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
+    if str(precision) != "16-mixed" or not on_cpu:
         return None
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

@@ -16,6 +16,7 @@ See docs/architecture.md for the call path of one training step.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -49,6 +50,11 @@ from lightscale.strategies.mesh import ParallelDims
 log = logging.getLogger(__name__)
 
 
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
 
@@ -79,7 +85,6 @@ class LightscaleStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_s)
-        self._owns_process_group = False
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
 
@@ -133,9 +138,9 @@ class LightscaleStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Ranks that share a batch (tensor/pipeline parallel) share a data shard: shard over data-parallel ranks.
+        # Mesh order is (pp, dp_replicate, dp_shard, ep, tp), tp fastest: the dp index has stride ep * tp.
         dims = self.dims
-        dp_rank = self.global_rank // (self.world_size // dims.dp) % dims.dp if dims.dp > 1 else 0
-        return {"num_replicas": dims.dp, "rank": dp_rank}
+        return {"num_replicas": dims.dp, "rank": self.global_rank // (dims.ep * dims.tp) % dims.dp}
 
     @override
     def _configure_launcher(self) -> None:
@@ -148,8 +153,10 @@ class LightscaleStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        self._owns_process_group = not dist.is_initialized()
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+            # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
+            atexit.register(_destroy_process_group)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
 
     def set_world_ranks(self) -> None:
@@ -166,6 +173,8 @@ class LightscaleStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:  # sync_batchnorm=True
+                self.model = self._layer_sync.apply(self.model)
             self.model = self.apply_parallelism(self.model)
             self.setup_optimizers(trainer)
         else:
@@ -225,8 +234,6 @@ class LightscaleStrategy(ParallelStrategy):
         lightning_module = self.lightning_module
         if lightning_module is not None:
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
+            if self._layer_sync and lightning_module._trainer is not None:
+                self.model = self._layer_sync.revert(self.model)
         super().teardown()
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
-        self._mesh = None

@@ -69,6 +69,12 @@ class BucketedDDPStrategy(LightscaleStrategy):
         return module
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reducer is not None:
+            self.reducer.sync_buffers()  # like torch DDP's broadcast_buffers: every rank normalizes alike
+        return super().training_step(*args, **kwargs)
+
+    @override
     def gradient_sync_context(self) -> AbstractContextManager:
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
 

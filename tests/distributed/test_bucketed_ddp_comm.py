@@ -83,13 +83,18 @@ def test_lightning_accumulation_skips_micro_step_sync(corpus_cache: str) -> None
     assert traffic == 4 * grad_bytes  # 4 optimizer steps x 2 micro-steps: one reduction per optimizer step
 
 
-def _unused_parameter_backward(find_unused: bool) -> list[float]:
+def _unused_parameter_backward(find_unused: bool) -> tuple[list[float] | None, list[float]]:
+    """``unused`` gets no gradient anywhere; ``sometimes`` only on rank 0."""
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4) for name in ("used", "unused", "sometimes")})
     reducer = BucketedGradReducer(model, find_unused_parameters=find_unused)
-    model["used"](torch.ones(2, 4)).sum().backward()
+    loss = model["used"](torch.ones(2, 4)).sum()
+    if dist.get_rank() == 0:
+        loss = loss + model["sometimes"](torch.ones(2, 4)).sum()
+    loss.backward()
     reducer.remove()
-    return model["unused"].weight.grad.flatten().tolist()
+    unused = model["unused"].weight.grad
+    return (None if unused is None else unused.flatten().tolist()), model["sometimes"].weight.grad.flatten().tolist()
 
 
 def test_unused_parameter_is_a_clear_error() -> None:
@@ -97,6 +102,48 @@ def test_unused_parameter_is_a_clear_error() -> None:
         run_distributed(_unused_parameter_backward, False, world_size=2, collective_timeout_s=10)
 
 
-def test_unused_parameter_flag_reduces_zeros() -> None:
-    grads = run_distributed(_unused_parameter_backward, True, world_size=2)
-    assert grads[0] == grads[1] == [0.0] * 16
+def test_unused_parameter_flag_averages_with_zeros() -> None:
+    (unused0, sometimes0), (unused1, sometimes1) = run_distributed(_unused_parameter_backward, True, world_size=2)
+    assert unused0 is None and unused1 is None  # unused on every rank: left alone, as torch DDP does
+    assert sometimes0 == sometimes1 == [1.0] * 16  # rank 0's gradient (2.0) averaged with rank 1's zeros
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+def _recovers_after_failed_backward() -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    reducer = BucketedGradReducer(model, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    hidden = _FailingBackward.apply(model[0](torch.ones(1, 4)))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model[1](hidden).sum().backward()  # model[1]'s hooks fire, then the failure: the callback never runs
+    model.zero_grad()
+    x = torch.full((1, 4), float(dist.get_rank() + 1))
+    model(x).sum().backward()
+    reducer.remove()
+    return model[0].weight.grad.flatten().tolist()
+
+
+def test_a_failed_backward_does_not_stop_later_synchronization() -> None:
+    grads = run_distributed(_recovers_after_failed_backward, world_size=2, collective_timeout_s=10)
+    assert grads[0] == grads[1]  # still averaged over ranks (inputs differ per rank)
+
+
+def _buffers_after_sync() -> list[float]:
+    model = torch.nn.BatchNorm1d(3)
+    reducer = BucketedGradReducer(model)
+    model.running_mean.fill_(float(dist.get_rank() + 5))  # ranks drift apart...
+    reducer.sync_buffers()  # ...and are realigned on rank 0's statistics
+    return model.running_mean.tolist()
+
+
+def test_sync_buffers_copies_rank0() -> None:
+    assert run_distributed(_buffers_after_sync, world_size=2) == [[5.0] * 3, [5.0] * 3]

@@ -1,0 +1,21 @@
+"""``make bench``: every benchmark, one after another, each printing its side-by-side ratios."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = ["bench_ddp.py"]
+
+
+def main() -> int:
+    here = Path(__file__).parent
+    failed = [name for name in BENCHMARKS if subprocess.call([sys.executable, str(here / name)]) != 0]
+    if failed:
+        print(f"failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

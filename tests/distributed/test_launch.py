@@ -1,0 +1,43 @@
+"""The real launch paths, as separate processes: Lightning's own launcher (``lightscale fit`` starting its
+second rank) and ``torchrun``. Slower than the forked tests, so only a few steps each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+LIGHTSCALE = [sys.executable, "-m", "lightscale.cli"]
+FEW_STEPS = ["--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false"]
+
+
+def _run(command: list[str], cwd: Path, cache: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LIGHTSCALE_CACHE": cache, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_cli_launches_its_own_ranks(tmp_path: Path, corpus_cache: str) -> None:
+    result = _run([*LIGHTSCALE, "fit", "--config", "gpt/tiny_ddp.yaml", *FEW_STEPS], tmp_path, corpus_cache)
+    output = result.stdout + result.stderr
+    assert "lightscale run summary (BucketedDDPStrategy, 2 rank(s), 6 steps)" in output
+    assert "rank 1:" in output
+    assert list((tmp_path / "runs/gpt/tiny_ddp").rglob("events.out.tfevents.*")), "TensorBoard logs written"
+
+
+def test_torchrun(tmp_path: Path, corpus_cache: str) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "lightscale.cli"]
+    result = _run([*torchrun, "fit", "--config", "gpt/tiny_ddp.yaml", *FEW_STEPS], tmp_path, corpus_cache)
+    assert "2 rank(s), 6 steps" in result.stdout + result.stderr
+
+
+def test_validate_subcommand(tmp_path: Path, corpus_cache: str) -> None:
+    result = _run([*LIGHTSCALE, "validate", "--config", "gpt/tiny_ddp.yaml"], tmp_path, corpus_cache)
+    assert "val/loss" in result.stdout + result.stderr
