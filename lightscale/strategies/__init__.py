@@ -4,11 +4,13 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
+from lightscale.strategies.zero import ZeroStrategy
 
 __all__ = [
     "BucketedDDPStrategy",
     "LightscaleStrategy",
     "ParallelDims",
+    "ZeroStrategy",
     "check_strategy",
     "register_strategies",
     "strategy_table",

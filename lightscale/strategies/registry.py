@@ -14,8 +14,9 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.zero import ZeroStrategy
 
-STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy,)
+STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy)
 
 
 def register_strategies() -> None:

@@ -1,0 +1,202 @@
+"""The DeepSpeed config, generated from the Trainer and the strategy: one source of truth.
+
+Whatever the Trainer already says (micro-batch size, ``accumulate_grad_batches``, ``gradient_clip_val``,
+precision) and whatever the strategy name says (ZeRO stage, offload) is written here and may not be set again
+in the user's pass-through ``config``. The user's dict may add engine options; a key that conflicts, that
+DeepSpeed does not know, or that sits at the wrong level is an error naming the fix — never silently ignored.
+
+Example:
+    >>> build_config(ZeroOptions(stage=3, offload_optimizer=True, offload_params=True), micro_batch_size=8,
+    ...              accumulate=1, gradient_clip_val=1.0, precision="bf16-mixed")["zero_optimization"]["stage"]
+    3
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from lightscale.errors import ConfigurationError
+
+# Keys the Trainer or the strategy owns, and where to set them instead.
+OWNED_KEYS = {
+    "train_batch_size": "the dataloader's batch size x accumulate_grad_batches x world size",
+    "train_micro_batch_size_per_gpu": "the train dataloader's batch_size",
+    "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
+    "gradient_clipping": "Trainer(gradient_clip_val=...)",
+    "fp16": "Trainer(precision='16-mixed')",
+    "bf16": "Trainer(precision='bf16-mixed' or 'bf16-true')",
+    "amp": "Trainer(precision=...)",
+    "optimizer": "LightningModule.configure_optimizers",
+    "scheduler": "LightningModule.configure_optimizers (Lightning steps the scheduler)",
+}
+OWNED_ZERO_KEYS = {
+    "stage": "the strategy name (zero1, zero2, zero3, ...)",
+    "offload_optimizer": "the strategy name (zero2_offload, zero3_offload, zero_infinity) or its arguments",
+    "offload_param": "the strategy name (zero3_offload, zero_infinity) or its arguments",
+}
+# DeepSpeed's top-level config keys (deepspeed/runtime/constants.py and the config reference).
+KNOWN_KEYS = set(OWNED_KEYS) | {
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "sparse_gradients",
+    "aio",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "elasticity",
+    "data_efficiency",
+    "curriculum_learning",
+    "checkpoint",
+    "data_types",
+    "memory_breakdown",
+    "compression_training",
+    "autotuning",
+    "nebula",
+    "pipeline",
+    "compile",
+    "timers",
+    "dataloader_drop_last",
+    "disable_allgather",
+    "torch_autocast",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "hybrid_engine",
+    "use_data_before_expert_parallelism",
+    "graph_harvesting",
+    "sparse_attention",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+    "weight_quantization",
+    "check_overflow",
+    "managed_gradient_accumulation",
+    "gradient_allreduce_op",
+    "disable_python_gc",
+    "zenflow",
+}
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """What the strategy name fixes: the stage and where optimizer state and parameters live."""
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    nvme_path: str | None = None  # zero_infinity: offload to this directory instead of host memory
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ConfigurationError(f"ZeRO stage={self.stage!r} is not valid; choose 1, 2 or 3.")
+        if self.offload_params and self.stage != 3:
+            raise ConfigurationError(
+                f"Parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage "
+                f"{self.stage}; use zero3_offload or offload_params=False."
+            )
+
+
+def zero_section(options: ZeroOptions) -> dict[str, Any]:
+    section: dict[str, Any] = {"stage": options.stage}
+    device = "nvme" if options.nvme_path else "cpu"
+    target = {"device": device, **({"nvme_path": options.nvme_path} if options.nvme_path else {})}
+    if options.offload_optimizer:
+        section["offload_optimizer"] = dict(target)
+    if options.offload_params:
+        section["offload_param"] = dict(target)
+    return section
+
+
+def precision_section(precision: str) -> dict[str, Any]:
+    """DeepSpeed's meaning of each Trainer precision (see docs/strategies/zero.md for what differs)."""
+    if precision in ("32-true", "32"):
+        return {}
+    if precision in ("bf16-mixed", "bf16-true"):
+        return {"bf16": {"enabled": True}}
+    if precision == "16-mixed":
+        # loss_scale 0 = dynamic loss scaling, DeepSpeed's equivalent of torch's GradScaler.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}}
+    raise ConfigurationError(
+        f"precision={precision!r} is not supported by the ZeRO strategies; choose 32-true, bf16-mixed, "
+        "bf16-true or 16-mixed."
+    )
+
+
+def build_config(
+    options: ZeroOptions,
+    *,
+    micro_batch_size: int,
+    accumulate: int,
+    gradient_clip_val: float | None,
+    precision: str,
+    user_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The full engine config: the Trainer's and strategy's settings plus the user's validated extras."""
+    user = copy.deepcopy(user_config or {})
+    validate_user_config(user)
+    zero = {**user.pop("zero_optimization", {}), **zero_section(options)}
+    return {
+        **user,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulate,
+        "gradient_clipping": float(gradient_clip_val or 0.0),
+        "zero_optimization": zero,
+        "steps_per_print": user.get("steps_per_print", 2**31 - 1),  # Lightning logs; keep the engine quiet
+        **precision_section(precision),
+    }
+
+
+def validate_user_config(config: dict[str, Any]) -> None:
+    """Reject keys that conflict with the Trainer/strategy, are unknown, or sit at the wrong level."""
+    zero_keys = _zero_keys()
+    for key in config:
+        if key in OWNED_KEYS:
+            raise ConfigurationError(
+                f"DeepSpeed config key {key!r} is set by lightscale from {OWNED_KEYS[key]}; "
+                "remove it from the strategy's config."
+            )
+        if key in zero_keys and key not in KNOWN_KEYS:
+            raise ConfigurationError(
+                f"DeepSpeed config key {key!r} belongs under 'zero_optimization', not at the "
+                f"top level: {{'zero_optimization': {{{key!r}: ...}}}}."
+            )
+        if key not in KNOWN_KEYS:
+            raise ConfigurationError(f"Unknown DeepSpeed config key {key!r}.{_closest(key, KNOWN_KEYS)}")
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigurationError(f"'zero_optimization' must be a dict of ZeRO options, got {zero!r}.")
+    for key in zero:
+        if key in OWNED_ZERO_KEYS:
+            raise ConfigurationError(f"zero_optimization.{key} is set by {OWNED_ZERO_KEYS[key]}; remove it.")
+        if key in KNOWN_KEYS:
+            raise ConfigurationError(
+                f"DeepSpeed config key {key!r} is a top-level key, not a "
+                "'zero_optimization' option: move it up one level."
+            )
+        if key not in zero_keys:
+            raise ConfigurationError(f"Unknown zero_optimization option {key!r}.{_closest(key, zero_keys)}")
+
+
+def _zero_keys() -> set[str]:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    return set(fields) | {f.alias for f in fields.values() if f.alias}
+
+
+def _closest(key: str, valid: set[str]) -> str:
+    match = difflib.get_close_matches(key, sorted(valid), n=1)
+    return f" Did you mean {match[0]!r}?" if match else f" Valid keys: {sorted(valid)}."

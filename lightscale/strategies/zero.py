@@ -1,0 +1,313 @@
+"""The ZeRO family on DeepSpeed's engine: zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.
+
+Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy. The engine config is generated
+(lightscale/strategies/deepspeed_config.py); the engine owns backward, gradient partitioning, clipping and the
+optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
+boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
+
+
+class ZeroStrategy(LightscaleStrategy):
+    """ZeRO data parallelism on DeepSpeed: shard optimizer state (stage 1), gradients (2) and parameters (3).
+
+    Args:
+        stage: 1, 2 or 3.
+        offload_optimizer: keep optimizer state (and the fp32 master weights) in host memory; AdamW runs as
+            DeepSpeed's CPU Adam.
+        offload_params: keep parameters in host memory between uses (stage 3).
+        nvme_path: offload to files in this directory instead of host memory (ZeRO-Infinity); default under
+            the run's log dir when ``zero_infinity`` is chosen by name.
+        config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
+            already set, unknown keys and misplaced keys are errors.
+        **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
+
+    Example:
+        >>> Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True, config={"zero_optimization":
+        ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
+    """
+
+    aliases = {
+        "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
+        "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
+        "zero2_offload": ("ZeRO-2 with optimizer state on the CPU (CPU Adam)", {"stage": 2, "offload_optimizer": True}),
+        "zero3": ("ZeRO-3 on DeepSpeed: optimizer state, gradients and parameters sharded", {"stage": 3}),
+        "zero3_offload": (
+            "ZeRO-3 with optimizer state and parameters on the CPU",
+            {"stage": 3, "offload_optimizer": True, "offload_params": True},
+        ),
+        "zero_infinity": (
+            "ZeRO-3 with optimizer state and parameters offloaded to NVMe files",
+            {"stage": 3, "offload_optimizer": True, "offload_params": True, "nvme_path": "auto"},
+        ),
+    }
+
+    def __init__(
+        self,
+        *,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        nvme_path: str | None = None,
+        config: dict[str, Any] | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
+        self._nvme_auto = nvme_path == "auto"
+        self.user_config = _read_config(config)
+        validate_user_config(self.user_config)  # fail at construction, before any process starts
+        self.config: dict[str, Any] | None = None
+
+    @property
+    def engine(self) -> Any:
+        return self.model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine restores its partitioned optimizer state itself
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist before its checkpoint can be loaded
+
+    # ---- set-up -----------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory comm) once per virtual environment.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        import deepspeed
+
+        deepspeed.init_distributed(self.process_group_backend, dist_init_required=False)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
+        self._check_trainer(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.config = build_config(
+            self._resolved_options(trainer),
+            micro_batch_size=_micro_batch_size(trainer),
+            accumulate=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            precision=self.precision_plugin.precision,
+            user_config=self.user_config,
+        )
+        optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
+        self.model = self._initialize_engine(self.lightning_module, optimizer)
+        self.optimizers = [self.model.optimizer] if fitting else []
+        self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
+        if scheduler is not None:
+            scheduler.scheduler.optimizer = optimizer
+        self.barrier()
+
+    def _check_trainer(self, trainer: Trainer) -> None:
+        if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
+            raise ConfigurationError(
+                "DeepSpeed clips gradients by norm only; use gradient_clip_algorithm='norm' with the ZeRO strategies."
+            )
+        if self.precision_plugin.precision == "16-mixed" and self.root_device.type == "cpu":
+            raise ConfigurationError(
+                "precision='16-mixed' under DeepSpeed needs CUDA: DeepSpeed's CPU accelerator has no fp16 support. "
+                "Use 'bf16-mixed' or '32-true' on CPU."
+            )
+
+    def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
+        if not self._nvme_auto:
+            return self.options
+        path = Path(trainer.log_dir or trainer.default_root_dir) / "zero_infinity_swap"
+        return ZeroOptions(self.options.stage, True, True, str(_writable_dir(path)))
+
+    def _optimizer_and_scheduler(
+        self, module: LightningModule
+    ) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        if len(optimizers) != 1 or len(schedulers) > 1:
+            raise ConfigurationError(
+                f"The ZeRO strategies need exactly one optimizer and at most one LR scheduler; configure_optimizers "
+                f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
+            )
+        optimizer = optimizers[0]
+        if self.options.offload_optimizer and self.user_config.get("zero_force_ds_cpu_optimizer") is not False:
+            optimizer = cpu_adam_from(optimizer)
+        return optimizer, schedulers[0] if schedulers else None
+
+    def _initialize_engine(self, module: LightningModule, optimizer: torch.optim.Optimizer | None) -> Any:
+        import deepspeed
+
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(
+            model=module,
+            model_parameters=parameters if optimizer is not None else None,
+            optimizer=optimizer,
+            config=self.config,
+            dist_init_required=False,
+        )
+        return engine
+
+    @contextmanager
+    @override
+    def model_sharded_context(self):  # type: ignore[override]
+        """Parameters created in ``configure_model`` are partitioned as they are built (stage 3)."""
+        import deepspeed
+
+        with deepspeed.zero.Init(enabled=self.options.stage == 3, config_dict_or_path=self._init_config()):
+            yield
+
+    def _init_config(self) -> dict[str, Any]:
+        return build_config(
+            self.options,
+            micro_batch_size=1,
+            accumulate=1,
+            gradient_clip_val=None,
+            precision="32-true",
+            user_config=self.user_config,
+        )
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning already divided the loss by accumulate_grad_batches: the engine must not divide again.
+        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
+
+    @override
+    def gradient_sync_context(self) -> AbstractContextManager:
+        return _not_a_boundary(self.engine)
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # the engine places (or offloads) parameters itself
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save through the engine's sharded format: a directory with one shard file per rank."""
+        filepath = self.broadcast(str(filepath))
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.engine.save_checkpoint(filepath, client_state=client_state, tag="checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.engine.load_checkpoint(
+            str(checkpoint_path), tag="checkpoint", load_optimizer_states=fitting, load_lr_scheduler_states=False
+        )
+        if client_state is None:
+            raise ConfigurationError(f"{checkpoint_path} is not a checkpoint directory saved by a ZeRO strategy.")
+        return client_state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded by the engine in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded by the engine in load_checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if self.model is not None and self.lightning_module is not None:
+            self.model = self.lightning_module
+        super().teardown()
+
+
+@contextmanager
+def _not_a_boundary(engine: Any):
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+
+
+def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam with ``optimizer``'s parameter groups and hyper-parameters (Adam or AdamW only)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigurationError(
+            f"Optimizer offload runs Adam/AdamW as DeepSpeed's CPU Adam, got {type(optimizer).__name__}. Use "
+            "Adam/AdamW, or pass config={'zero_force_ds_cpu_optimizer': False} to step your optimizer on the CPU."
+        )
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        groups = [dict(group) for group in optimizer.param_groups]
+        defaults = optimizer.defaults
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=defaults["lr"],
+            betas=defaults["betas"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+        )
+    except (ImportError, RuntimeError, OSError) as error:
+        raise RuntimeError(
+            "DeepSpeed's CPU Adam extension could not be built. It JIT-compiles with g++ and ninja against the "
+            "Python headers: install a C++ compiler (apt-get install g++), `pip install ninja`, and python3-dev. "
+            f"Cause: {error}"
+        ) from error
+
+
+def _precision_name(plugin: Precision) -> str:
+    if isinstance(plugin, MixedPrecision):
+        return plugin.precision
+    if isinstance(plugin, HalfPrecision):
+        return plugin.precision
+    if type(plugin) is Precision or getattr(plugin, "precision", None) in ("32-true", "32"):
+        return "32-true"
+    raise ConfigurationError(f"The ZeRO strategies do not support the precision plugin {type(plugin).__name__}.")
+
+
+def _micro_batch_size(trainer: Trainer) -> int:
+    source = trainer.fit_loop._data_source
+    if source.is_defined():
+        loader = source.dataloader()
+        batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if batch_size:
+            return batch_size
+    return 1
+
+
+def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    import json
+
+    return json.loads(Path(config).read_text())
+
+
+def _writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".lightscale_write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigurationError(f"Offload directory {path} is not writable ({error}); pass nvme_path=... .") from error
+    return path
