@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["bench_ddp.py"]
+BENCHMARKS = ["bench_ddp.py", "bench_zero.py", "bench_cpu_adam.py"]
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ def train_tiny_gpt(
     max_steps: int = 20,
     accumulate: int = 1,
     config: GPTConfig = TINY,
+    extra_callbacks: list[pl.Callback] | tuple = (),
     **trainer_kwargs: Any,
 ) -> list[float]:
     """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step."""
@@ -61,7 +62,7 @@ def train_tiny_gpt(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[losses],
+        callbacks=[losses, *extra_callbacks],
         **trainer_kwargs,
     )
     trainer.fit(module, data)

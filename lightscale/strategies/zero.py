@@ -137,10 +137,16 @@ class ZeroStrategy(LightscaleStrategy):
             )
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
-        if not self._nvme_auto:
-            return self.options
-        path = Path(trainer.log_dir or trainer.default_root_dir) / "zero_infinity_swap"
-        return ZeroOptions(self.options.stage, True, True, str(_writable_dir(path)))
+        options = self._nvme_options(trainer) if self._nvme_auto else self.options
+        if options.nvme_path:
+            _writable_dir(Path(options.nvme_path))
+            _check_async_io()
+        return options
+
+    def _nvme_options(self, trainer: Trainer) -> ZeroOptions:
+        # One swap directory per rank: ZeRO-Infinity file names are not unique across ranks of one machine.
+        path = Path(trainer.log_dir or trainer.default_root_dir) / "zero_infinity_swap" / f"rank{self.global_rank}"
+        return ZeroOptions(self.options.stage, True, True, str(path))
 
     def _optimizer_and_scheduler(
         self, module: LightningModule
@@ -302,10 +308,20 @@ def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
     return json.loads(Path(config).read_text())
 
 
+def _check_async_io() -> None:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ConfigurationError(
+            "NVMe offload (zero_infinity) needs DeepSpeed's async_io op, which builds against libaio: install it "
+            "(Debian/Ubuntu: apt-get install libaio-dev) or use zero3_offload (host memory) instead."
+        )
+
+
 def _writable_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".lightscale_write_test"
+        probe = path / f".lightscale_write_test_{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
