@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +34,18 @@ class StepLosses(pl.Callback):
             self.micro.clear()
 
 
+class StopAfter(pl.Callback):
+    """Interrupt fit after ``steps`` optimizer steps (the LR schedule still spans ``max_steps``), the way a
+    killed job is: the last checkpoint is the one ModelCheckpoint wrote mid-epoch."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
 def train_tiny_gpt(
     strategy: Any,
     *,
@@ -43,6 +56,9 @@ def train_tiny_gpt(
     accumulate: int = 1,
     config: GPTConfig = TINY,
     extra_callbacks: list[pl.Callback] | tuple = (),
+    stop_after: int | None = None,
+    save_checkpoint_to: str | None = None,
+    resume_from: str | None = None,
     **trainer_kwargs: Any,
 ) -> list[float]:
     """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step."""
@@ -57,16 +73,27 @@ def train_tiny_gpt(
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save_checkpoint_to is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[losses, *extra_callbacks],
+        callbacks=[losses, *extra_callbacks, *_interruption(stop_after, save_checkpoint_to)],
         **trainer_kwargs,
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=resume_from)
     return losses.steps
+
+
+def _interruption(stop_after: int | None, checkpoint: str | None) -> list[pl.Callback]:
+    if stop_after is None:
+        return []
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    assert checkpoint is not None and checkpoint.endswith(".ckpt")
+    path = Path(checkpoint)
+    saver = ModelCheckpoint(dirpath=path.parent, filename=path.stem, every_n_train_steps=stop_after, save_top_k=-1)
+    return [saver, StopAfter(stop_after)]
 
 
 def relative_difference(a: list[float], b: list[float]) -> float:

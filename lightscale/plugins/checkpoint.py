@@ -15,11 +15,18 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+_ALLOWED: list[Any] = []
+
+
+def allow_in_checkpoints(*classes: type) -> None:
+    """Let plain data classes (e.g. a model config saved in hyper-parameters) load with ``weights_only=True``."""
+    _ALLOWED.extend(cls for cls in classes if cls not in _ALLOWED)
+
 
 def _safe_globals() -> list[Any]:
     from lightning.fabric.utilities.data import AttributeDict
 
-    return [AttributeDict]
+    return [AttributeDict, *_ALLOWED]
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

@@ -161,6 +161,11 @@ class StreamSampler(DistributedSampler):
         self.batches_per_epoch = self.num_items // self.global_batch
         # Without roll-over every epoch reads the same batches (validation: comparable losses across epochs).
         self.roll_over = roll_over
+        self.resume_epoch, self.resume_batches = 0, 0
+
+    def resume_from(self, epoch: int, batches_done: int) -> None:
+        """Skip the ``batches_done`` local batches of ``epoch`` already trained on (resuming mid-epoch)."""
+        self.resume_epoch, self.resume_batches = epoch, batches_done
 
     def _permutation(self, k: int) -> np.ndarray:
         if not self.shuffle:
@@ -180,7 +185,10 @@ class StreamSampler(DistributedSampler):
     def local_positions(self) -> np.ndarray:
         epoch = self.epoch if self.roll_over else 0
         start = epoch * self.batches_per_epoch * self.global_batch
-        batch_starts = start + np.arange(self.batches_per_epoch) * self.global_batch + self.rank * self.batch_size
+        first = self.resume_batches if epoch == self.resume_epoch else 0
+        batch_starts = (
+            start + np.arange(first, self.batches_per_epoch) * self.global_batch + self.rank * self.batch_size
+        )
         return (batch_starts[:, None] + np.arange(self.batch_size)[None, :]).reshape(-1)
 
     @override
@@ -189,7 +197,7 @@ class StreamSampler(DistributedSampler):
 
     @override
     def __len__(self) -> int:
-        return self.batches_per_epoch * self.batch_size
+        return self.batches_per_epoch * self.batch_size  # the whole epoch, also when resuming inside it
 
     @override
     def set_epoch(self, epoch: int) -> None:
@@ -261,6 +269,15 @@ class GPTDataModule(pl.LightningDataModule):
             return 1, 0
         return kwargs["num_replicas"], kwargs["rank"]
 
+    def _position_in_epoch(self) -> tuple[int, int]:
+        """(epoch, batches done) restored from a checkpoint, so a mid-epoch resume sees no batch twice."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 0
+        # "ready" counts batches fetched: a checkpoint written in on_train_batch_end (ModelCheckpoint) has not
+        # marked its batch "completed" yet, but that batch was trained on.
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
     def _loader(self, dataset: TokenWindows | None, *, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("GPTDataModule.setup() must run before asking for a dataloader")
@@ -274,6 +291,8 @@ class GPTDataModule(pl.LightningDataModule):
             seed=self.seed,
             roll_over=train,
         )
+        if train:
+            sampler.resume_from(*self._position_in_epoch())
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

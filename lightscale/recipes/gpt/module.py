@@ -17,7 +17,10 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
+from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
+
+allow_in_checkpoints(GPTConfig)  # saved in hyper-parameters; a plain dataclass, safe to load weights-only
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
