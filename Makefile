@@ -12,6 +12,9 @@ venv: $(STAMP)
 # torch is pinned first so nothing pulls a CUDA build on a CPU machine (a GPU machine gets the default CUDA
 # build of the same version); DeepSpeed builds from source against it, its ops JIT-compiled on first use.
 $(STAMP): pyproject.toml
+	@# libaio lets DeepSpeed build its async I/O op (zero_infinity); installed only where we may (root + apt).
+	@if [ ! -e /usr/include/libaio.h ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && apt-get install -y -qq libaio-dev >/dev/null || echo "libaio-dev not installed: zero_infinity unavailable"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
@@ -26,7 +29,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/lightscale fit --config gpt/small_ddp.yaml
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py

@@ -41,3 +41,8 @@ def test_torchrun(tmp_path: Path, corpus_cache: str) -> None:
 def test_validate_subcommand(tmp_path: Path, corpus_cache: str) -> None:
     result = _run([*LIGHTSCALE, "validate", "--config", "gpt/tiny_ddp.yaml"], tmp_path, corpus_cache)
     assert "val/loss" in result.stdout + result.stderr
+
+
+def test_zero3_offload_from_yaml(tmp_path: Path, corpus_cache: str) -> None:
+    result = _run([*LIGHTSCALE, "fit", "--config", "gpt/tiny_zero3_offload.yaml", *FEW_STEPS], tmp_path, corpus_cache)
+    assert "lightscale run summary (ZeroStrategy, 2 rank(s), 6 steps)" in result.stdout + result.stderr

@@ -10,6 +10,7 @@ from lightscale.strategies import LightscaleStrategy
 
 def test_configs_are_packaged() -> None:
     assert {"gpt/tiny_ddp.yaml", "gpt/small_ddp.yaml", "gpt/gpt2-124m_ddp.yaml"} <= set(packaged_configs())
+    assert {"gpt/small_zero3_offload.yaml", "gpt/tiny_zero3_offload.yaml"} <= set(packaged_configs())
 
 
 @pytest.mark.parametrize("name", packaged_configs())

@@ -271,12 +271,12 @@ class GPTDataModule(pl.LightningDataModule):
 
     def _position_in_epoch(self) -> tuple[int, int]:
         """(epoch, batches done) restored from a checkpoint, so a mid-epoch resume sees no batch twice."""
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
+        fit_loop = getattr(getattr(self, "trainer", None), "fit_loop", None)
+        if fit_loop is None:  # not attached to a Trainer (a hand-written loop)
             return 0, 0
         # "ready" counts batches fetched: a checkpoint written in on_train_batch_end (ModelCheckpoint) has not
         # marked its batch "completed" yet, but that batch was trained on.
-        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return fit_loop.epoch_progress.current.completed, fit_loop.epoch_loop.batch_progress.current.ready
 
     def _loader(self, dataset: TokenWindows | None, *, train: bool) -> DataLoader:
         if dataset is None:
