@@ -19,7 +19,8 @@ def _run(command: list[str], cwd: Path, cache: str) -> subprocess.CompletedProce
     env = {**os.environ, "LIGHTSCALE_CACHE": cache, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)  # first run JIT-builds CPU Adam
+    # 900 s: on a fresh environment the first ZeRO-offload run JIT-builds DeepSpeed's CPU Adam.
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
