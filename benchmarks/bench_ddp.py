@@ -17,9 +17,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import StepTimer, interleaved, median
+from common import StepTimer, interleaved, median, timed_trainer
 
-import lightscale
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.testing import run_distributed
 
@@ -30,19 +29,7 @@ WARMUP = 2
 def _fit(strategy: str, steps: int, batch_size: int) -> list[float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(WARMUP)
-    trainer = lightscale.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=WARMUP + steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
-    )
+    trainer = timed_trainer(strategy, devices=dist.get_world_size(), steps=WARMUP + steps, callbacks=[timer])
     trainer.fit(GPTModule(SMALL), GPTDataModule(block_size=SMALL.block_size, batch_size=batch_size))
     return timer.times
 

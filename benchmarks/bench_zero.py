@@ -29,9 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import StepTimer, interleaved, median
+from common import StepTimer, interleaved, median, timed_trainer
 
-import lightscale
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config
 from lightscale.strategies.zero import cpu_adam_from
@@ -58,19 +57,8 @@ class LossStepTimer(StepTimer):
 def _lightscale(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     pl.seed_everything(0, verbose=False)
     timer = LossStepTimer(WARMUP)
-    trainer = lightscale.Trainer(
-        strategy="zero3_offload",
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        precision=PRECISION,
-        max_steps=WARMUP + steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
+    trainer = timed_trainer(
+        "zero3_offload", devices=dist.get_world_size(), steps=WARMUP + steps, callbacks=[timer], precision=PRECISION
     )
     trainer.fit(GPTModule(MODEL), GPTDataModule(block_size=MODEL.block_size, batch_size=batch_size))
     return timer.times, timer.losses

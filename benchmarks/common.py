@@ -27,6 +27,26 @@ class StepTimer(Callback):
             self.times.append(time.perf_counter() - self._start)
 
 
+def timed_trainer(strategy: str, *, devices: int, steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer:
+    """A lightscale Trainer that only trains and times: no logging, checkpoints, progress bar or validation."""
+    import lightscale
+
+    return lightscale.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -76,10 +76,7 @@ class BucketedGradReducer:
         broadcast_from_rank0: bool = True,
         broadcast_buffers: bool = True,
     ) -> None:
-        validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
-        validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
-        if compression not in ("none", *_WIRE_DTYPES):
-            raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+        validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.find_unused_parameters = find_unused_parameters
@@ -188,6 +185,14 @@ class BucketedGradReducer:
             bucket.handle = None
         self._next_launch = 0
         self._graph_task = None
+
+
+def validate_reducer_settings(bucket_cap_mb: float, first_bucket_cap_mb: float, compression: str) -> None:
+    """Checked at strategy construction too, so bad values fail before any process starts."""
+    validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
+    validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
+    if compression not in ("none", *_WIRE_DTYPES):
+        raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
 
 
 def validate_bucket_cap(name: str, value: float) -> None:

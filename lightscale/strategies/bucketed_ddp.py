@@ -13,8 +13,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
-from lightscale.errors import ConfigurationError
-from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_bucket_cap
+from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
 from lightscale.strategies.base import LightscaleStrategy
 
 
@@ -47,10 +46,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
-        validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
-        if compression not in ("none", "bf16", "fp16"):
-            raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+        validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.compression = compression

@@ -279,9 +279,7 @@ def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _precision_name(plugin: Precision) -> str:
-    if isinstance(plugin, MixedPrecision):
-        return plugin.precision
-    if isinstance(plugin, HalfPrecision):
+    if isinstance(plugin, (MixedPrecision, HalfPrecision)):
         return plugin.precision
     if type(plugin) is Precision or getattr(plugin, "precision", None) in ("32-true", "32"):
         return "32-true"
