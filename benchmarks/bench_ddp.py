@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
-    grad_bytes = 4 * GPTModule(SMALL).model.num_params()
+    grad_bytes = 4 * GPT(SMALL).num_params()
     print(f"bench_ddp: small GPT ({grad_bytes // 4:,} params, block {SMALL.block_size}, batch {args.batch_size}/rank)")
     for ranks in args.ranks:
         times = run_distributed(_rank, args.repeats, args.steps, args.batch_size, world_size=ranks, timeout_s=3000)[0]

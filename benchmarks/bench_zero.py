@@ -76,7 +76,12 @@ def _raw(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     deepspeed.init_distributed("gloo", dist_init_required=False)
     pl.seed_everything(0, verbose=False)
     stub = _stub_trainer(WARMUP + steps)
+    config = build_config(
+        OPTIONS, micro_batch_size=batch_size, accumulate=1, gradient_clip_val=None, precision=PRECISION
+    )
     module = GPTModule(MODEL)
+    with deepspeed.zero.Init(config_dict_or_path=config):  # as ZeroStrategy.model_sharded_context does
+        module.configure_model()
     module.trainer = stub  # type: ignore[assignment]
     configured = module.configure_optimizers()
     module.trainer = None
@@ -86,9 +91,6 @@ def _raw(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     data = GPTDataModule(block_size=MODEL.block_size, batch_size=batch_size)
     data.trainer = stub  # type: ignore[assignment]
     data.setup("fit")
-    config = build_config(
-        OPTIONS, micro_batch_size=batch_size, accumulate=1, gradient_clip_val=None, precision=PRECISION
-    )
     engine, *_ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -129,7 +131,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
-    params = GPTModule(MODEL).model.num_params()
+    params = GPT(MODEL).num_params()
     print(
         f"bench_zero: zero3_offload on 2 CPU ranks, GPT {params:,} params (block {MODEL.block_size}, "
         f"{MODEL.n_layer} layers, width {MODEL.n_embd}), batch {args.batch_size}/rank, {PRECISION}, CPU Adam"

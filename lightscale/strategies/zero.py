@@ -181,12 +181,14 @@ class ZeroStrategy(LightscaleStrategy):
         """Parameters created in ``configure_model`` are partitioned as they are built (stage 3)."""
         import deepspeed
 
-        with deepspeed.zero.Init(enabled=self.options.stage == 3, config_dict_or_path=self._init_config()):
+        enabled = self.options.stage == 3
+        with deepspeed.zero.Init(enabled=enabled, config_dict_or_path=self._init_config() if enabled else None):
             yield
 
     def _init_config(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
         return build_config(
-            self.options,
+            self._resolved_options(self.lightning_module.trainer),  # checks the offload path before any work
             micro_batch_size=1,
             accumulate=1,
             gradient_clip_val=None,

@@ -61,6 +61,7 @@ def test_tiny_gpt_loss_falls_on_default_corpus(tmp_path):
 
 def test_weight_decay_skips_norms_and_biases():
     module = GPTModule(GPTConfig(bias=True))
+    module.configure_model()
     module.trainer = pl.Trainer(max_steps=100, logger=False, enable_progress_bar=False)
     decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -87,5 +88,15 @@ def test_module_validates_hyperparameters():
 
 def test_forward_matches_model():
     module = GPTModule(GPTConfig(block_size=16))
+    module.configure_model()
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(module(tokens), module.model(tokens))
+
+
+def test_model_is_built_in_configure_model_once():
+    module = GPTModule(GPTConfig(block_size=16))
+    assert module.model is None  # so a strategy's init context (zero.Init, meta device) wraps its construction
+    module.configure_model()
+    built = module.model
+    module.configure_model()
+    assert module.model is built

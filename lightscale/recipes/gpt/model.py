@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 
 @dataclass
@@ -61,15 +62,46 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` drawn from N(0, std) with zero bias (GPT-2 init).
+
+    The init lives in ``reset_parameters``, which runs inside the constructor: under ``deepspeed.zero.Init`` the
+    weights are drawn before they are partitioned, and a meta-device model re-draws them module by module.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, std: float = 0.02) -> None:
+        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    @override
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` drawn from N(0, 0.02) (GPT-2 init), in ``reset_parameters`` like :class:`Linear`."""
+
+    @override
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def residual_std(config: GPTConfig) -> float:
+    """GPT-2 scales the init of projections that write into the residual stream by 1/sqrt(2 * n_layer)."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         kv_width = config.kv_heads * config.head_dim
-        self.wq = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.wk = nn.Linear(config.n_embd, kv_width, bias=config.bias)
-        self.wv = nn.Linear(config.n_embd, kv_width, bias=config.bias)
-        self.wo = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.wq = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.wk = Linear(config.n_embd, kv_width, bias=config.bias)
+        self.wv = Linear(config.n_embd, kv_width, bias=config.bias)
+        self.wo = Linear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
         self.attn_dropout = config.dropout
 
@@ -96,8 +128,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.w2 = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.w1 = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.w2 = Linear(4 * config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,32 +155,21 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
         self.config = config = config or GPTConfig()
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_embeddings = nn.Embedding(config.block_size, config.n_embd)
+        self.tok_embeddings = Embedding(config.vocab_size, config.n_embd)
+        self.pos_embeddings = Embedding(config.block_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         # A ModuleDict keyed "0", "1", ... lets pipeline stages delete layers and keep the original FQNs.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layer)})
         self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.output = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
 
     def init_weights(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        """Re-draw every weight (after ``to_empty`` from the meta device); each module owns its init."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` are ids ``[B, T]`` (or hidden states ``[B, T, D]`` on a pipeline stage without embeddings)."""

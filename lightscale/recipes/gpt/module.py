@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 from typing_extensions import override
 
 from lightscale.plugins.checkpoint import allow_in_checkpoints
@@ -59,13 +60,21 @@ class GPTModule(pl.LightningModule):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         self.save_hyperparameters()
         self.config = config or GPTConfig()
-        self.model = GPT(self.config)
+        self.model: GPT | None = None  # built in configure_model, inside the strategy's init context
         self.flops_per_token = flops_per_token(self.config)
         # Read by throughput callbacks; one full sequence until the first batch tells the real size.
         self.flops_per_batch: int = self.flops_per_token * self.config.block_size
 
     @override
+    def configure_model(self) -> None:
+        """Build the model here, not in ``__init__``: Lightning calls this inside the strategy's init context
+        (``deepspeed.zero.Init`` under zero3, the meta device under FSDP2), so no rank holds the full model."""
+        if self.model is None:  # idempotent: Lightning calls it again for every fit/validate/test
+            self.model = GPT(self.config)
+
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "call configure_model() first (Trainer does)"
         return self.model(tokens)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -99,11 +108,14 @@ class GPTModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        # Weight decay on matrices only (nanoGPT): decaying LayerNorm gains and biases only hurts.
+        # Weight decay on matrices only (nanoGPT): decaying LayerNorm gains and biases only hurts. Chosen by
+        # module, not by p.ndim: a ZeRO-3 partition or a sharded parameter need not keep its logical shape.
+        matrices = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for p in params if id(p) in matrices], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if id(p) not in matrices], "weight_decay": 0.0},
         ]
+        groups = [group for group in groups if group["params"]]  # engines drop empty groups; keep LR lists aligned
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         schedule = partial(
             warmup_cosine,
