@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, median, timed_trainer
 
-from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.testing import run_distributed
 
 SMALL = GPTConfig(block_size=128, n_layer=6, n_head=6, n_embd=384)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, median, timed_trainer
 
-from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config
 from lightscale.strategies.zero import cpu_adam_from
 from lightscale.testing import run_distributed
