@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -40,31 +41,95 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> ModelStateBytes:
-    """Bytes this rank holds for ``module``'s parameters and gradients and the optimizers' state."""
-    params = list(module.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = [t for opt in optimizers for t in _optimizer_tensors(opt)]
-    return ModelStateBytes(_unique_bytes(params), _unique_bytes(grads), _unique_bytes(states))
+def model_state_bytes(module: nn.Module, optimizers: Iterable[Any] = ()) -> ModelStateBytes:
+    """Bytes this rank holds for ``module``'s parameters and gradients and the optimizers' state.
+
+    Each byte of storage counts once, in the first category that claims it (views of one flat buffer, tied
+    weights). DeepSpeed's ZeRO optimizers are read too: their gradient partitions count as gradients, their
+    fp32 master partitions as optimizer state.
+    """
+    optimizers = list(optimizers)
+    ledger = _Ledger()
+    params = ledger.claim(_parameter_tensors(module))
+    grads = ledger.claim(
+        [p.grad for p in module.parameters() if p.grad is not None]
+        + [t for opt in optimizers for t in _zero_gradient_partitions(_unwrap(opt))]
+    )
+    states = ledger.claim(t for opt in optimizers for t in _optimizer_tensors(_unwrap(opt)))
+    return ModelStateBytes(params, grads, states)
 
 
-def _optimizer_tensors(optimizer: Optimizer) -> Iterator[Tensor]:
-    inner = getattr(optimizer, "optimizer", None)  # wrappers (LightningOptimizer, engines) hold the real one
-    if isinstance(inner, Optimizer):
+def _parameter_tensors(module: nn.Module) -> Iterator[Tensor]:
+    for param in module.parameters():
+        yield local_tensor(param)
+        if getattr(param, "ds_tensor", None) is not None and param.data.numel() > 0:
+            yield param.data  # a ZeRO-3 parameter that is gathered right now (or persistent) holds both
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # LightningOptimizer wraps the real one; DeepSpeed's ZeRO optimizers wrap the torch optimizer and are not
+    # torch Optimizers themselves.
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _zero_gradient_partitions(optimizer: Any) -> Iterator[Tensor]:
+    for name in ("averaged_gradients", "grad_partitions_flat_buffer", "offload_gradient_dict"):
+        yield from _tensors_in(getattr(optimizer, name, None))
+
+
+def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO fp32 master weights
+        yield from _tensors_in(getattr(optimizer, name, None))
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and not isinstance(optimizer, Optimizer):
         yield from _optimizer_tensors(inner)
         return
-    for state in optimizer.state.values():
-        yield from (value for value in state.values() if isinstance(value, Tensor))
+    if isinstance(optimizer, Optimizer):
+        for state in optimizer.state.values():
+            yield from (value for value in state.values() if isinstance(value, Tensor))
 
 
-def _unique_bytes(tensors: Iterable[Tensor]) -> int:
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for tensor in tensors:
-        local = local_tensor(tensor)
-        key = (local.data_ptr(), local.numel())
-        if local.numel() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += local.numel() * local.element_size()
-    return total
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif hasattr(value, "flat_partition"):  # DeepSpeed's GradPartitionBufferGroup: views of one flat buffer
+        yield value.flat_partition
+
+
+class _Ledger:
+    """Counts each byte of storage once, however many tensors view it."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []  # claimed [start, end) address ranges, disjoint
+
+    def claim(self, tensors: Iterable[Tensor]) -> int:
+        total = 0
+        for tensor in tensors:
+            local = local_tensor(tensor)
+            if local.numel() == 0 or local.device.type == "meta":
+                continue
+            start = local.data_ptr()
+            total += self._claim(start, start + local.numel() * local.element_size())
+        return total
+
+    def _claim(self, start: int, end: int) -> int:
+        overlap = sum(max(0, min(end, e) - max(start, s)) for s, e in self._spans)
+        self._spans.append((start, end))
+        self._spans = _merged(self._spans)
+        return end - start - overlap
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
