@@ -1,4 +1,4 @@
-"""``lightscale fit|validate|test --config CONFIG`` on LightningCLI, and ``lightscale strategies``.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export-zero.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -87,10 +87,31 @@ def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
     )
 
 
+def export_zero(args: list[str]) -> None:
+    """``lightscale export-zero CHECKPOINT_DIR OUTPUT``: a ZeRO checkpoint as one fp32 state dict file."""
+    import argparse
+
+    from lightscale.plugins.zero_checkpoint import export_zero_checkpoint
+
+    parser = argparse.ArgumentParser(prog="lightscale export-zero", description=export_zero.__doc__)
+    parser.add_argument("checkpoint", help="a checkpoint directory saved by a ZeRO strategy (e.g. last.ckpt)")
+    parser.add_argument("output", help="file to write (torch.save; load with torch.load(weights_only=True))")
+    parser.add_argument("--prefix", default="model.", help="key prefix to strip; keys without it are dropped")
+    parsed = parser.parse_args(args)
+    try:
+        count = export_zero_checkpoint(parsed.checkpoint, parsed.output, prefix=parsed.prefix)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"wrote {count} tensors to {parsed.output}")
+
+
+COMMANDS = {"strategies": lambda args: print_strategies(), "export-zero": export_zero}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["strategies"]:
-        print_strategies()
+    if args[:1] and args[0] in COMMANDS:
+        COMMANDS[args[0]](args[1:])
         return
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolve_config_args(args)

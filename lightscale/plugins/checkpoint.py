@@ -23,7 +23,8 @@ def allow_in_checkpoints(*classes: type) -> None:
     _ALLOWED.extend(cls for cls in classes if cls not in _ALLOWED)
 
 
-def _safe_globals() -> list[Any]:
+def checkpoint_safe_globals() -> list[Any]:
+    """Classes a lightscale checkpoint may hold besides tensors and containers (all plain data)."""
     from lightning.fabric.utilities.data import AttributeDict
 
     return [AttributeDict, *_ALLOWED]
@@ -40,5 +41,5 @@ class SafeCheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         trusted_code = weights_only is False  # only an explicit False opts out
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
             return super().load_checkpoint(path, map_location=map_location, weights_only=not trusted_code)

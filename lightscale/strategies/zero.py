@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 
@@ -173,6 +174,8 @@ class ZeroStrategy(LightscaleStrategy):
             config=self.config,
             dist_init_required=False,
         )
+        if type(engine.checkpoint_engine).__name__ == "TorchCheckpointEngine":
+            engine.checkpoint_engine = safe_checkpoint_engine(engine._config)  # resume loads weights-only
         return engine
 
     @contextmanager
@@ -216,13 +219,13 @@ class ZeroStrategy(LightscaleStrategy):
         """Save through the engine's sharded format: a directory with one shard file per rank."""
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, client_state=client_state, tag="checkpoint")
+        self.engine.save_checkpoint(filepath, client_state=client_state, tag=CHECKPOINT_TAG)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         _, client_state = self.engine.load_checkpoint(
-            str(checkpoint_path), tag="checkpoint", load_optimizer_states=fitting, load_lr_scheduler_states=False
+            str(checkpoint_path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
         if client_state is None:
             raise ConfigurationError(f"{checkpoint_path} is not a checkpoint directory saved by a ZeRO strategy.")
