@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
@@ -168,7 +169,7 @@ class ZeroStrategy(LightscaleStrategy):
 
         parameters = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
-            model=module,
+            model=EngineRoot(module),
             model_parameters=parameters if optimizer is not None else None,
             optimizer=optimizer,
             config=self.config,
@@ -244,6 +245,30 @@ class ZeroStrategy(LightscaleStrategy):
         if self.model is not None and self.lightning_module is not None:
             self.model = self.lightning_module
         super().teardown()
+
+
+class EngineRoot(nn.Module):
+    """The module DeepSpeed wraps: the LightningModule's parameters, buffers and children under the same names,
+    entered once per step.
+
+    Lightning routes ``training_step`` through ``engine(...)``, and ``training_step`` calls ``self(x)``: with the
+    LightningModule as the engine's root, ZeRO-3's root hooks ran twice per step, its recorded module order never
+    matched, and it fell back to gathering every parameter on its own without prefetch (2x the all-gathers, step
+    time 1.3-1.7x a raw engine loop). This root shares the LightningModule's state (checkpoint keys unchanged)
+    and calls its ``forward`` without ``__call__``, so only the inner ``self(x)`` enters the module tree.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
+        self._lightning_module = [module]  # in a list so it is not registered as a child
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lightning_module[0].forward(*args, **kwargs)
 
 
 @contextmanager

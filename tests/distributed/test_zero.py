@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 from helpers import relative_difference, train_tiny_gpt
 
@@ -161,3 +162,27 @@ def test_zero3_offload_keeps_state_in_host_buffers(corpus_cache: str) -> None:
     assert seen["optimizer"] == "DeepSpeedCPUAdam"
     # Each rank keeps half of every parameter (rounded up per tensor for even partitions).
     assert seen["full_numel"] / 2 <= seen["local_numel"] <= seen["full_numel"] / 2 + 2 * 64
+
+
+class _TraceModes(pl.Callback):
+    """ZeRO-3's parameter-fetch trace after every step: COMPLETE means it prefetches along the recorded order."""
+
+    def __init__(self) -> None:
+        self.complete: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        coordinator = trainer.strategy.engine.optimizer.parameter_offload.get_param_coordinator()
+        self.complete.append(coordinator.is_complete_trace())
+
+
+def _trace_modes(cache_dir: str) -> list[bool]:
+    modes = _TraceModes()
+    train_tiny_gpt("zero3", devices=2, batch_size=4, max_steps=4, cache_dir=cache_dir, extra_callbacks=[modes])
+    return modes.complete
+
+
+def test_zero3_enters_the_module_once_per_step_so_prefetch_works(corpus_cache: str) -> None:
+    # training_step calls self(x) inside the engine's forward; if the LightningModule were the engine's root it
+    # would be entered twice, the trace would be invalidated every step and each parameter gathered on its own.
+    complete = run_distributed(_trace_modes, corpus_cache, world_size=2)[0]
+    assert complete == [False, True, True, True]  # step 1 records the trace, then it is reused
