@@ -104,3 +104,23 @@ def test_accumulation_reduce_scatters_once_per_unit_per_step(strategy: str, rank
         # Every micro-step gathers every unit in forward; full shard re-gathers the blocks in backward too.
         regather = TINY.n_layer if strategy != "fsdp2_grad_op" else 0
         assert counts["all_gather"] == k * (UNITS + regather)
+
+
+def _fit_briefly(strategy: object, cache_dir: str) -> list[float]:
+    return train_tiny_gpt(strategy, devices=dist.get_world_size(), batch_size=2, max_steps=1, cache_dir=cache_dir)
+
+
+def test_unknown_unit_class_fails_before_training(corpus_cache: str) -> None:
+    from lightscale.strategies import FSDP2Strategy
+    from lightscale.testing import RankFailed
+
+    with pytest.raises(RankFailed, match=r"ConfigurationError: FSDP unit class 'Block' does not occur in"):
+        run_distributed(_fit_briefly, FSDP2Strategy(unit_classes=["Block"]), corpus_cache, world_size=2)
+
+
+def test_hsdp_degrees_not_matching_the_world_fail_before_training(corpus_cache: str) -> None:
+    from lightscale.strategies import FSDP2Strategy
+    from lightscale.testing import RankFailed
+
+    with pytest.raises(RankFailed, match=r"ConfigurationError: Parallel degrees dp_replicate=2 x dp_shard=2 multiply"):
+        run_distributed(_fit_briefly, FSDP2Strategy(dp_replicate=2, dp_shard=2), corpus_cache, world_size=2)
