@@ -1,4 +1,5 @@
-"""``lightscale fit|validate|test --config CONFIG`` on LightningCLI, and ``lightscale strategies``.
+"""``lightscale fit|validate|test --config CONFIG`` on LightningCLI, ``lightscale strategies``, and
+``lightscale export-fsdp2 CKPT_DIR OUT.pt`` (a sharded FSDP2 checkpoint as one single-device state dict).
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -75,6 +76,24 @@ def print_strategies() -> None:
         print(f"{name.ljust(width)}  {description}")
 
 
+def export_fsdp2(args: list[str]) -> None:
+    """``lightscale export-fsdp2 CKPT_DIR OUT.pt [--prefix model.]``: one full state dict from a sharded checkpoint."""
+    import argparse
+
+    from lightscale.plugins.distributed_checkpoint import export_full_state_dict
+
+    parser = argparse.ArgumentParser(prog="lightscale export-fsdp2", description=export_fsdp2.__doc__)
+    parser.add_argument("checkpoint_dir")
+    parser.add_argument("output")
+    parser.add_argument("--prefix", default="model.", help="LightningModule attribute holding the model")
+    parsed = parser.parse_args(args)
+    try:
+        keys = export_full_state_dict(parsed.checkpoint_dir, parsed.output, prefix=parsed.prefix)
+    except ConfigurationError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"wrote {len(keys)} tensors to {parsed.output}")
+
+
 def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
     """LightningCLI over any LightningModule/DataModule (``class_path`` in YAML) and ``lightscale.Trainer``."""
     return LightningCLI(
@@ -91,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["strategies"]:
         print_strategies()
+        return
+    if args[:1] == ["export-fsdp2"]:
+        export_fsdp2(args[1:])
         return
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolve_config_args(args)

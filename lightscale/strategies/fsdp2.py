@@ -96,7 +96,7 @@ class FSDP2Strategy(LightscaleStrategy):
     ) -> None:
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
-        _check_offload(offload, pin_memory, compile)
+        _check_offload(offload, pin_memory)
         self.unit_classes = tuple(unit_classes) if unit_classes is not None else None
         self.reshard_after_forward = reshard_after_forward
         self.dp_replicate = dp_replicate
@@ -162,8 +162,8 @@ class FSDP2Strategy(LightscaleStrategy):
         apply_activation_checkpointing(module, mode=self.activation_checkpointing, unit_classes=names)
         maybe_compile_units(module, enabled=self.compile, unit_classes=names)
         is_meta = any(p.is_meta for p in module.parameters())
-        if not is_meta and not self.offload:
-            module.to(self.root_device)
+        if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
+            module.to("cpu" if self.offload else self.root_device)
         units = find_units(module, names)
         offload = CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None
         policy = mp_policy(precision_name(self.precision_plugin))
@@ -256,16 +256,9 @@ def _no_gradient_sync(model: nn.Module | None) -> Iterator[None]:
             set_gradient_sync(model, True)
 
 
-def _check_offload(offload: bool, pin_memory: bool | None, compile: bool) -> None:
-    if not offload:
-        return
-    if pin_memory and not torch.cuda.is_available():
+def _check_offload(offload: bool, pin_memory: bool | None) -> None:
+    if offload and pin_memory and not torch.cuda.is_available():
         raise ConfigurationError(
             "offload=True with pin_memory=True needs CUDA: pinned host memory only exists for an accelerator. "
             "Use pin_memory=False (or leave it unset) on a CPU-only machine."
-        )
-    if compile:
-        raise ConfigurationError(
-            "offload=True with compile=True is not supported: FSDP2's CPU offload copies shards host-to-device "
-            "inside the all-gather hooks, which torch.compile of the blocks does not trace. Use one of the two."
         )

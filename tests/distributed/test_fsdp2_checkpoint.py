@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from helpers import TINY, relative_difference, train_tiny_gpt
 
+from lightscale.cli import main
 from lightscale.plugins import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, export_full_state_dict
 from lightscale.recipes.gpt import GPT
@@ -98,9 +99,16 @@ def test_export_loads_into_the_single_device_model(corpus_cache: str, tmp_path: 
     checkpoint = str(tmp_path / "step3.ckpt")
     gathered = run_distributed(_gathered_model, checkpoint, corpus_cache, world_size=2, timeout_s=300)[0]
     keys = export_full_state_dict(checkpoint, tmp_path / "gpt.pt")
+    main(["export-fsdp2", checkpoint, str(tmp_path / "cli.pt")])  # the CLI subcommand writes the same file
+    assert torch.load(tmp_path / "cli.pt", weights_only=True).keys() == set(keys)
     exported = torch.load(tmp_path / "gpt.pt", weights_only=True)
     model = GPT(TINY)
     model.load_state_dict(exported)  # strict: every key of the single-device model, nothing else
     assert keys == sorted(model.state_dict()) == sorted(gathered)
     for name, tensor in gathered.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_export_of_a_non_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"is not a sharded checkpoint directory saved by an FSDP2 strategy"):
+        main(["export-fsdp2", str(tmp_path), str(tmp_path / "out.pt")])

@@ -96,3 +96,10 @@ def test_bf16_mixed_trains_close_to_fp32(single_process_losses: list[float], cor
 def test_fp16_mixed_trains_with_a_sharded_loss_scaler(single_process_losses: list[float], corpus_cache: str) -> None:
     losses = _train("fsdp2", 2, corpus_cache, precision="16-mixed")
     assert relative_difference(losses, single_process_losses) <= 2e-2
+
+
+def test_model_built_on_every_rank_without_meta_init_matches(
+    single_process_losses: list[float], corpus_cache: str
+) -> None:
+    losses = _train(FSDP2Strategy(meta_init=False), 2, corpus_cache)
+    assert relative_difference(losses, single_process_losses) <= TOLERANCE
