@@ -17,6 +17,7 @@ DCP directories (lightscale/plugins/distributed_checkpoint.py) that load on any 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -38,7 +39,7 @@ from lightscale.parallel.activation_checkpoint import (
     maybe_compile_units,
 )
 from lightscale.parallel.fsdp import apply_fsdp, find_units, materialize_meta_module, rng_states, set_gradient_sync
-from lightscale.plugins.distributed_checkpoint import load_sharded, save_sharded
+from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
@@ -217,8 +218,6 @@ class FSDP2Strategy(LightscaleStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
-
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         load_sharded(path, self.model, self.optimizers if fitting else [])
@@ -235,8 +234,6 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-
             shutil.rmtree(filepath, ignore_errors=True)
 
 
