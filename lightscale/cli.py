@@ -1,4 +1,4 @@
-"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export-zero.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import sys
+from collections.abc import Callable
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -87,25 +89,39 @@ def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
     )
 
 
-def export_zero(args: list[str]) -> None:
-    """``lightscale export-zero CHECKPOINT_DIR OUTPUT``: a ZeRO checkpoint as one fp32 state dict file."""
+def export(args: list[str], *, format: str = "auto") -> None:
+    """``lightscale export CHECKPOINT OUTPUT``: a sharded checkpoint (ZeRO or FSDP2) as one state dict file.
+
+    ``export-zero`` and ``export-fsdp2`` do the same for one format only.
+    """
     import argparse
 
-    from lightscale.plugins.zero_checkpoint import export_zero_checkpoint
+    from lightscale.plugins.distributed_checkpoint import export_full_state_dict
+    from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, export_zero_checkpoint
 
-    parser = argparse.ArgumentParser(prog="lightscale export-zero", description=export_zero.__doc__)
-    parser.add_argument("checkpoint", help="a checkpoint directory saved by a ZeRO strategy (e.g. last.ckpt)")
+    parser = argparse.ArgumentParser(prog="lightscale export", description=export.__doc__)
+    parser.add_argument("checkpoint", help="a checkpoint directory saved by a ZeRO or FSDP2 strategy (last.ckpt)")
     parser.add_argument("output", help="file to write (torch.save; load with torch.load(weights_only=True))")
     parser.add_argument("--prefix", default="model.", help="key prefix to strip; keys without it are dropped")
     parsed = parser.parse_args(args)
+    if format == "auto":
+        format = "zero" if (Path(parsed.checkpoint) / CHECKPOINT_TAG).is_dir() else "fsdp2"
     try:
-        count = export_zero_checkpoint(parsed.checkpoint, parsed.output, prefix=parsed.prefix)
-    except (FileNotFoundError, ValueError) as error:
+        if format == "zero":
+            count = export_zero_checkpoint(parsed.checkpoint, parsed.output, prefix=parsed.prefix)
+        else:
+            count = len(export_full_state_dict(parsed.checkpoint, parsed.output, prefix=parsed.prefix))
+    except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
         raise SystemExit(f"error: {error}") from None
     print(f"wrote {count} tensors to {parsed.output}")
 
 
-COMMANDS = {"strategies": lambda args: print_strategies(), "export-zero": export_zero}
+COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "strategies": lambda args: print_strategies(),
+    "export": export,
+    "export-zero": partial(export, format="zero"),
+    "export-fsdp2": partial(export, format="fsdp2"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,12 +2,14 @@
 
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
 from lightscale.strategies.zero import ZeroStrategy
 
 __all__ = [
     "BucketedDDPStrategy",
+    "FSDP2Strategy",
     "LightscaleStrategy",
     "ParallelDims",
     "ZeroStrategy",

@@ -14,9 +14,10 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.zero import ZeroStrategy
 
-STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy)
+STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy, FSDP2Strategy)
 
 
 def register_strategies() -> None:

@@ -40,6 +40,9 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 class GPTModule(pl.LightningModule):
     """Trains :class:`GPT` on ``(tokens, targets)`` batches; plain typed arguments so LightningCLI can build it."""
 
+    # The recipe's sharding plan, read by the FSDP2 strategies: each transformer block is one unit (root last).
+    fsdp_unit_classes: tuple[str, ...] = ("TransformerBlock",)
+
     def __init__(
         self,
         config: GPTConfig | None = None,

@@ -1,0 +1,74 @@
+"""Activation checkpointing and per-block ``torch.compile``, applied from outside a model, before sharding.
+
+Both act on the same units FSDP shards (e.g. every ``TransformerBlock``) but do not depend on it: they use
+torch's composable ``checkpoint`` (hooks, no wrapper module), so parameter names and state-dict keys do not
+change, and any wrapping (FSDP, DDP, none) can be applied afterwards.
+
+Modes:
+    * ``"none"``: keep every activation;
+    * ``"full"``: keep only each unit's input, recompute the whole unit in backward;
+    * ``"selective"``: keep the outputs of matmuls and attention (expensive to recompute), recompute the
+      cheap element-wise ops (norms, activations, residual adds) -- torch's selective checkpoint policy.
+
+Example:
+    >>> apply_activation_checkpointing(model, mode="selective", unit_classes=("TransformerBlock",))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.fsdp import find_units
+
+ACMode = Literal["none", "full", "selective"]
+AC_MODES = ("none", "full", "selective")
+
+# Ops whose outputs selective checkpointing keeps: recomputing them costs as much as the forward did.
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def check_ac_mode(mode: str) -> None:
+    if mode not in AC_MODES:
+        raise ConfigurationError(
+            f"activation_checkpointing={mode!r} is not valid; choose one of {', '.join(map(repr, AC_MODES))}."
+        )
+
+
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, *, mode: ACMode, unit_classes: Sequence[str]) -> nn.Module:
+    """Checkpoint every unit of ``model`` (found by class name) in place; ``mode="none"`` does nothing."""
+    check_ac_mode(mode)
+    if mode == "none":
+        return model
+    for unit in find_units(model, unit_classes):
+        if mode == "full":
+            checkpoint(unit)
+        else:
+            checkpoint(unit, context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+    return model
+
+
+def maybe_compile_units(model: nn.Module, *, enabled: bool, unit_classes: Sequence[str]) -> nn.Module:
+    """``torch.compile`` each unit's forward in place (per block: small graphs, shared across identical blocks)."""
+    if enabled:
+        for unit in find_units(model, unit_classes):
+            unit.compile()
+    return model

@@ -1,0 +1,194 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied to a single-device model from outside.
+
+Each sharding unit (a transformer block, chosen by class name or given as modules) becomes its own FSDP
+parameter group, then the root takes whatever is left: one all-gather and one reduce-scatter per unit. The
+mesh decides the flavour: 1-D shards across all of it (FSDP), 2-D replicates across dim 0 and shards within
+dim 1 (HSDP).
+
+A model built on the meta device is materialized shard by shard (:func:`materialize_meta_module`): every
+rank re-draws one module's full tensors at a time with the same generator, in construction order, and keeps
+its own slice, so the values equal single-device init with the same seed and no rank ever holds the model.
+
+Example:
+    >>> mesh = init_device_mesh("cpu", (2,))
+    >>> apply_fsdp(model, mesh, unit_classes=("TransformerBlock",))
+    >>> materialize_meta_module(model, torch.device("cpu"))
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightscale.errors import ConfigurationError
+
+
+def module_class_names(model: nn.Module) -> list[str]:
+    """Sorted class names of every submodule of ``model`` (the valid unit class names)."""
+    return sorted({type(module).__name__ for module in model.modules()})
+
+
+def check_unit_classes(model: nn.Module, names: Sequence[str]) -> None:
+    """Raise a ConfigurationError naming the valid class names if any of ``names`` is not in ``model``."""
+    valid = module_class_names(model)
+    for name in names:
+        if name not in valid:
+            closest = difflib.get_close_matches(name, valid, n=1)
+            hint = f" Did you mean {closest[0]!r}?" if closest else ""
+            raise ConfigurationError(
+                f"FSDP unit class {name!r} does not occur in {type(model).__name__}.{hint} "
+                f"Class names in the model: {', '.join(valid)}."
+            )
+
+
+def find_units(model: nn.Module, unit_classes: Sequence[str]) -> list[nn.Module]:
+    """Submodules of ``model`` whose class name is in ``unit_classes``, outermost first, never nested twice."""
+    check_unit_classes(model, unit_classes)
+    units: list[nn.Module] = []
+    for module in model.modules():
+        wanted = module is not model and type(module).__name__ in unit_classes
+        if wanted and not any(_contains(unit, module) for unit in units):
+            units.append(module)
+    return units
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(module is inner for module in outer.modules())
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    unit_classes: Sequence[str] = (),
+    units: Iterable[nn.Module] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place with ``fully_shard``: each unit its own group, the root last.
+
+    ``units`` (modules) wins over ``unit_classes`` (class names, so YAML can express them). The root keeps its
+    parameters unsharded after forward (backward needs them first), as FSDP recommends.
+    """
+    chosen = list(units) if units is not None else find_units(model, unit_classes)
+    common = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    common["offload_policy"] = offload_policy or OffloadPolicy()
+    for unit in reversed(chosen):  # bottom-up; order does not change grouping, only hook registration
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn FSDP's gradient reduce-scatter (and HSDP all-reduce) on or off for every unit of ``model``."""
+    for module in fsdp_modules(model):
+        module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+# ---- materialization from the meta device ----------------------------------------------------------------
+def rng_states() -> dict[str, torch.Tensor]:
+    """The CPU (and, if present, current CUDA) generator states, to replay initialization later."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def materialize_meta_module(
+    model: nn.Module, device: torch.device, *, rng_state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Allocate only the local shards of a meta-device ``model`` on ``device`` and initialize them exactly as
+    single-device construction with the same seed would.
+
+    Every module with ``reset_parameters`` (in ``modules()`` order = construction order) draws its own
+    parameters into full-size temporaries on every rank, with the same RNG; each rank keeps its slice. A
+    parameter shared with an earlier module (tied weights) keeps the earlier draw, as the constructor does.
+    ``rng_state`` (from :func:`rng_states`) is taken just before the model was built on the meta device.
+    """
+    _check_materializable(model)
+    model.to_empty(device=device)
+    if rng_state is not None:
+        _set_rng_states(rng_state)
+    done: set[int] = set()
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            _reset_module_shards(module, device, done)
+    missed = [name for name, p in model.named_parameters() if id(p) not in done]
+    if missed:
+        raise ConfigurationError(
+            f"Parameters {missed} belong to modules without reset_parameters(), so they cannot be initialized "
+            "after building on the meta device. Give their modules a reset_parameters(), or set meta_init=False."
+        )
+
+
+def _check_materializable(model: nn.Module) -> None:
+    buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    if buffers:
+        raise ConfigurationError(
+            f"Buffers {buffers} were built on the meta device and their values cannot be recovered; "
+            "set meta_init=False for this model (it is then built on every rank and sharded after)."
+        )
+
+
+def _reset_module_shards(module: nn.Module, device: torch.device, done: set[int]) -> None:
+    originals = dict(module.named_parameters(recurse=False))
+    full = {name: torch.empty(_full_shape(p), dtype=p.dtype, device=device) for name, p in originals.items()}
+    for name, tensor in full.items():
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+    try:
+        with torch.no_grad():
+            module.reset_parameters()
+    finally:
+        for name, param in originals.items():
+            module._parameters[name] = param
+    for name, param in originals.items():
+        if id(param) not in done:
+            _copy_local_slice(param, full[name])
+            done.add(id(param))
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    return param.shape  # a DTensor reports its global shape
+
+
+@torch.no_grad()
+def _copy_local_slice(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        # src_data_rank=None: each rank slices its own copy (all ranks drew the same values), no communication.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+# ---- gradient clipping over shards -----------------------------------------------------------------------
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by the norm of the *full* gradient (all shards of all parameters); return that norm.
+
+    With DTensor gradients the per-tensor norms are partial (one shard each); ``full_tensor()`` reduces them
+    across the mesh, so every rank scales by the same coefficient as single-process training would.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,92 @@
+"""Precision under FSDP2: the Trainer's precision name becomes a ``MixedPrecisionPolicy``, not autocast.
+
+FSDP2 casts the all-gathered parameters to ``param_dtype`` for compute and reduces gradients in
+``reduce_dtype``; the sharded parameters (master weights) and the optimizer stay fp32. So the Lightning
+plugin only keeps the parts FSDP does not do: the loss scaler for fp16 (a ``ShardedGradScaler``, whose
+inf/NaN check agrees across ranks) and gradient-norm clipping over the full, sharded gradient.
+
+=============  ===================================  =====================
+precision      MixedPrecisionPolicy                 loss scaling
+=============  ===================================  =====================
+``32-true``    fp32 everywhere                      none
+``bf16-mixed`` bf16 params in compute, fp32 reduce  none
+``16-mixed``   fp16 params in compute, fp32 reduce  ShardedGradScaler
+``bf16-true``  bf16 everywhere (module converted)   none
+=============  ===================================  =====================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.fsdp import clip_grad_norm_
+
+
+def precision_name(plugin: Precision) -> str:
+    """The precision name a Lightning plugin stands for (``32-true`` for the plain plugin)."""
+    name = str(getattr(plugin, "precision", "32-true"))
+    name = "32-true" if name == "32" else name
+    if name not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+        raise ConfigurationError(
+            f"precision={name!r} is not supported by the FSDP2 strategies; choose 32-true, bf16-mixed, 16-mixed or "
+            "bf16-true."
+        )
+    return name
+
+
+def mp_policy(precision: str) -> MixedPrecisionPolicy:
+    """The FSDP2 mixed-precision policy for a Trainer precision name."""
+    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if compute is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+class _ShardedClipping:
+    """Norm clipping over the full gradient: per-shard norms reduced across the mesh (DTensor)."""
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(params, float(clip_val))
+
+
+class FSDP2Precision(_ShardedClipping, Precision):
+    """fp32 training (FSDP's default policy), with clipping across shards."""
+
+
+class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
+    """bf16/fp16 compute by FSDP's policy: no autocast; fp16 keeps a ``ShardedGradScaler``."""
+
+    def __init__(self, precision: str, device: str) -> None:
+        scaler = None
+        if precision == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device=device)
+        super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
+
+    @contextmanager
+    @override
+    def forward_context(self) -> Generator[None, None, None]:
+        yield  # FSDP casts parameters (and floating inputs) per unit; autocast would cast a second time
+
+
+class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
+    """bf16-true: the module is converted to bf16 before sharding, as under any strategy."""
+
+
+def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
+    """The plugin that goes with :func:`mp_policy` for ``precision``."""
+    if precision in ("bf16-mixed", "16-mixed"):
+        return FSDP2MixedPrecision(precision, device)
+    if precision == "bf16-true":
+        return FSDP2HalfPrecision("bf16-true")
+    return FSDP2Precision()

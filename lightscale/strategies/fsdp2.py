@@ -1,0 +1,261 @@
+"""The FSDP2 family on ``torch.distributed.fsdp.fully_shard``: fsdp2, fsdp2_grad_op, hsdp, fsdp2_offload.
+
+=================  =================================================================  ==================
+name               what is sharded                                                    ZeRO equivalent
+=================  =================================================================  ==================
+``fsdp2``          parameters, gradients, optimizer state; re-gathered in backward   ZeRO-3
+``fsdp2_grad_op``  the same, but parameters stay gathered from forward to backward   ZeRO-2 (+ params)
+``hsdp``           sharded within groups of ``dp_shard`` ranks, replicated across    ZeRO-3 x DDP
+``fsdp2_offload``  as ``fsdp2``, shards, gradients and optimizer step on the CPU     ZeRO-3 offload
+=================  =================================================================  ==================
+
+The model is built on the meta device in ``configure_model`` and materialized shard by shard after
+sharding (values equal single-device init with the same seed); then activation checkpointing, optional
+per-block compile and ``fully_shard`` are applied from outside (lightscale/parallel/). Checkpoints are
+DCP directories (lightscale/plugins/distributed_checkpoint.py) that load on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.activation_checkpoint import (
+    ACMode,
+    apply_activation_checkpointing,
+    check_ac_mode,
+    maybe_compile_units,
+)
+from lightscale.parallel.fsdp import apply_fsdp, find_units, materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
+from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.mesh import ParallelDims
+
+UNITS_ATTRIBUTE = "fsdp_unit_classes"  # a LightningModule's plan: class names of its FSDP units
+
+
+class FSDP2Strategy(LightscaleStrategy):
+    """Fully sharded data parallelism with FSDP2: each unit (transformer block) one all-gather/reduce-scatter group.
+
+    Args:
+        unit_classes: class names of the modules sharded as one unit each (e.g. ``["TransformerBlock"]``);
+            default: the LightningModule's ``fsdp_unit_classes`` attribute (the recipe's plan).
+        reshard_after_forward: free gathered parameters after forward and re-gather in backward (ZeRO-3);
+            ``False`` keeps them to backward (ZeRO-2-like: less communication, more memory).
+        dp_replicate: replica groups (HSDP: gradients all-reduced across them); ``-1`` infers it.
+        dp_shard: ranks each parameter is sharded over; ``-1`` (default) infers it from the world size.
+        offload: keep shards, gradients and the optimizer step on the CPU (``CPUOffloadPolicy``).
+        pin_memory: pin the offloaded shards (needs CUDA; default: on when CUDA is available).
+        activation_checkpointing: ``"none"``, ``"full"`` (per unit) or ``"selective"`` (keep matmul outputs).
+        compile: ``torch.compile`` each unit.
+        meta_init: build the model on the meta device and materialize only local shards.
+        **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
+
+    Example:
+        >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
+    """
+
+    aliases = {
+        "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
+        "fsdp2_grad_op": (
+            "FSDP2 without resharding after forward: params kept gathered until backward (ZeRO-2-like)",
+            {"reshard_after_forward": False},
+        ),
+        "hsdp": (
+            "FSDP2 hybrid: shard within groups, replicate across dp_replicate groups (default 2)",
+            {"dp_replicate": 2, "dp_shard": -1},
+        ),
+        "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
+    }
+
+    def __init__(
+        self,
+        *,
+        unit_classes: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        offload: bool = False,
+        pin_memory: bool | None = None,
+        activation_checkpointing: ACMode = "none",
+        compile: bool = False,
+        meta_init: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        check_ac_mode(activation_checkpointing)
+        _check_offload(offload, pin_memory)
+        self.unit_classes = tuple(unit_classes) if unit_classes is not None else None
+        self.reshard_after_forward = reshard_after_forward
+        self.dp_replicate = dp_replicate
+        self.dp_shard = dp_shard
+        self.offload = offload
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self.meta_init = meta_init
+        self._rng_state: dict[str, torch.Tensor] | None = None
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    @override
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size=world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        return self.device_mesh["dp_shard"]
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards are loaded into the sharded model and optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # loaded with the model in load_checkpoint
+
+    # ---- the model -----------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:  # type: ignore[override]
+        """Modules built in ``configure_model`` land on the meta device: no rank allocates the full model."""
+        if not self.meta_init:
+            yield
+            return
+        self._rng_state = rng_states()  # materialization replays init from here
+        with torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin = fsdp2_precision_plugin(precision_name(self.precision_plugin), self.root_device.type)
+        self.precision_plugin.convert_module(self.model)
+        self.model = self.apply_parallelism(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.barrier()
+
+    @override
+    def apply_parallelism(self, module: LightningModule) -> nn.Module:
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return module  # already sharded by an earlier fit/validate on this module
+        names = self._unit_classes(module)
+        apply_activation_checkpointing(module, mode=self.activation_checkpointing, unit_classes=names)
+        maybe_compile_units(module, enabled=self.compile, unit_classes=names)
+        is_meta = any(p.is_meta for p in module.parameters())
+        if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
+            module.to("cpu" if self.offload else self.root_device)
+        units = find_units(module, names)
+        offload = CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None
+        policy = mp_policy(precision_name(self.precision_plugin))
+        for root in _roots(module):
+            inner = [unit for unit in units if any(unit is m for m in root.modules())]
+            apply_fsdp(
+                root,
+                self.fsdp_mesh,
+                units=inner,
+                mp_policy=policy,
+                offload_policy=offload,
+                reshard_after_forward=self.reshard_after_forward,
+            )
+        if is_meta:
+            device = torch.device("cpu") if self.offload else self.root_device
+            materialize_meta_module(module, device, rng_state=self._rng_state)
+        return module
+
+    def _unit_classes(self, module: LightningModule) -> tuple[str, ...]:
+        names = self.unit_classes or getattr(module, UNITS_ATTRIBUTE, None)
+        if not names:
+            raise ConfigurationError(
+                f"FSDP2 needs the classes of its sharding units: pass unit_classes=[...] to the strategy or set "
+                f"{type(module).__name__}.{UNITS_ATTRIBUTE}. Class names in the model: "
+                f"{sorted({type(m).__name__ for m in module.modules()})}."
+            )
+        return tuple(names)
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # apply_parallelism places (or materializes) the shards
+
+    @override
+    def gradient_sync_context(self) -> AbstractContextManager:
+        return _no_gradient_sync(self.model)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the shards are saved by save_checkpoint through DCP; nothing is gathered
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        load_sharded(path, self.model, self.optimizers if fitting else [])
+        return self.checkpoint_io.load_checkpoint(path / TRAINER_STATE)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+
+def _roots(module: LightningModule) -> list[nn.Module]:
+    """The LightningModule's direct children that hold parameters: each becomes an FSDP root."""
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
+@contextmanager
+def _no_gradient_sync(model: nn.Module | None) -> Iterator[None]:
+    if model is not None:
+        set_gradient_sync(model, False)
+    try:
+        yield
+    finally:
+        if model is not None:
+            set_gradient_sync(model, True)
+
+
+def _check_offload(offload: bool, pin_memory: bool | None) -> None:
+    if offload and pin_memory and not torch.cuda.is_available():
+        raise ConfigurationError(
+            "offload=True with pin_memory=True needs CUDA: pinned host memory only exists for an accelerator. "
+            "Use pin_memory=False (or leave it unset) on a CPU-only machine."
+        )
