@@ -3,12 +3,14 @@
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
 from lightscale.strategies.zero import ZeroStrategy
 
 __all__ = [
     "BucketedDDPStrategy",
     "LightscaleStrategy",
+    "Parallel3DStrategy",
     "ParallelDims",
     "ZeroStrategy",
     "check_strategy",

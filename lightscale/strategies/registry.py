@@ -14,9 +14,10 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.zero import ZeroStrategy
 
-STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy)
+STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy, Parallel3DStrategy)
 
 
 def register_strategies() -> None:
