@@ -70,13 +70,10 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
 def validate_gpt_parallel(config: GPTConfig, *, tp: int, num_stages: int) -> None:
     """Raise ConfigurationError if ``config`` cannot be split ``tp`` ways or into ``num_stages`` pipeline stages."""
     if tp > 1:
-        sizes = {
-            "n_head": config.n_head,
-            "n_kv_head": config.kv_heads,
-            "n_embd": config.n_embd,
-            "vocab_size": config.vocab_size,
-            "block_size": config.block_size,
-        }
+        sizes = {"n_head": config.n_head, "n_embd": config.n_embd}
+        if config.n_kv_head is not None:  # grouped-query attention: the KV heads are split too
+            sizes["n_kv_head"] = config.n_kv_head
+        sizes |= {"vocab_size": config.vocab_size, "block_size": config.block_size}
         bad = {name: size for name, size in sizes.items() if size % tp}
         if bad:
             valid = [d for d in range(1, 65) if all(size % d == 0 for size in sizes.values())]
