@@ -55,13 +55,15 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
             use_local_output=not loss_parallel,  # loss_parallel's cross-entropy reads the vocab-sharded DTensor
         ),
     }
+    # The attention and MLP take a replicated DTensor: their column-parallel projections then sum their input
+    # gradients as one pending (Partial) DTensor, reduced once per module instead of once per wq/wk/wv (Megatron's
+    # count). Under SP this is also where the sequence shards are gathered for the causal attention.
+    gather = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False)
+    plan |= {"layers.*.attention": gather, "layers.*.feed_forward": gather}
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
         plan |= {
             "layers.*.attention_norm": SequenceParallel(),
-            "layers.*.attention": gather,  # the attention sees the whole sequence (causal mask, head reshape)
             "layers.*.ffn_norm": SequenceParallel(),
-            "layers.*.feed_forward": gather,
             "norm": SequenceParallel(),
         }
     return plan
