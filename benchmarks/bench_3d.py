@@ -39,7 +39,7 @@ from lightscale.strategies import Parallel3DStrategy, ParallelDims
 from lightscale.testing import run_distributed
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
-WIDTH, LAYERS_PER_STAGE, MICRO_BATCH = 256, 4, 64
+WIDTH, LAYERS_PER_STAGE, MICRO_BATCH = 1024, 4, 128  # ~1 GFLOP per stage forward: compute, not overhead
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
 WARMUP = 2
 

@@ -23,11 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -44,6 +53,9 @@ from lightscale.parallel.pipeline import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: stages and shards differ
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -261,3 +273,46 @@ class Parallel3DStrategy(LightscaleStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         pp_group = self.device_mesh["pp"].get_group() if self.dims.pp_enabled else None
         clip_grad_norm_(params, clip_val, pp_group=pp_group)
+
+    # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the sharded model and optimizer must exist before their shards can be loaded into them
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
+        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``meta.ckpt``."""
+        path = Path(filepath)
+        module = self.lightning_module
+        state = {"model": get_model_state_dict(module)}
+        if self.optimizers:
+            state["optimizer"] = get_optimizer_state_dict(module, self.optimizers, options=_FLAT)
+        dcp.save(state, checkpoint_id=path)
+        if self.is_global_zero:
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            self.checkpoint_io.save_checkpoint(rest, path / "meta.ckpt")
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        module = self.lightning_module
+        state = {"model": get_model_state_dict(module)}
+        if self.optimizers:
+            state["optimizer"] = get_optimizer_state_dict(module, self.optimizers, options=_FLAT)
+        dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards
+        set_model_state_dict(module, state["model"])
+        if self.optimizers:
+            set_optimizer_state_dict(module, self.optimizers, state["optimizer"], options=_FLAT)
+        meta = self.checkpoint_io.load_checkpoint(path / "meta.ckpt")
+        return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded from the shards in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded from the shards in load_checkpoint
