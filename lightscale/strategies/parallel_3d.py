@@ -54,7 +54,6 @@ from lightscale.parallel.pipeline import (
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
-
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: stages and shards differ
 
 
