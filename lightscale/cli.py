@@ -1,4 +1,4 @@
-"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -77,6 +77,34 @@ def print_strategies() -> None:
         print(f"{name.ljust(width)}  {description}")
 
 
+def draw_schedule_command(argv: list[str]) -> None:
+    """``lightscale schedule NAME --pp P --microbatches M [--stages-per-rank S] [--out FILE.png]``."""
+    import argparse
+
+    from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
+    from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
+
+    parser = argparse.ArgumentParser(prog="lightscale schedule", description="Draw a pipeline schedule to PNG.")
+    parser.add_argument("name", choices=list(SCHEDULES))
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--stages-per-rank", type=int, default=None)
+    parser.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
+    args = parser.parse_args(argv)
+    per_rank = args.stages_per_rank or default_stages_per_rank(args.name)
+    validate_schedule(args.name, pp=args.pp, microbatches=args.microbatches, stages_per_rank=per_rank)
+    out = draw_schedule(
+        args.name,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        stages_per_rank=per_rank,
+        path=args.out or f"{args.name}.png",
+    )
+    slots = schedule_slots(args.name, pp=args.pp, microbatches=args.microbatches, stages_per_rank=per_rank)
+    idle = idle_fractions(slots, args.pp)
+    print(f"wrote {out}: idle per rank {', '.join(f'{x:.1%}' for x in idle)}")
+
+
 def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
     """LightningCLI over any LightningModule/DataModule (``class_path`` in YAML) and ``lightscale.Trainer``."""
     return LightningCLI(
@@ -121,13 +149,17 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export,
     "export-zero": partial(export, format="zero"),
     "export-fsdp2": partial(export, format="fsdp2"),
+    "schedule": lambda args: draw_schedule_command(args),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] and args[0] in COMMANDS:
-        COMMANDS[args[0]](args[1:])
+        try:
+            COMMANDS[args[0]](args[1:])
+        except ConfigurationError as error:
+            raise SystemExit(f"error: {error}") from None
         return
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolve_config_args(args)

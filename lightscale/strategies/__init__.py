@@ -4,6 +4,7 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
 from lightscale.strategies.zero import ZeroStrategy
 
@@ -11,6 +12,7 @@ __all__ = [
     "BucketedDDPStrategy",
     "FSDP2Strategy",
     "LightscaleStrategy",
+    "Parallel3DStrategy",
     "ParallelDims",
     "ZeroStrategy",
     "check_strategy",

@@ -15,9 +15,15 @@ from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.zero import ZeroStrategy
 
-STRATEGIES: tuple[type[LightscaleStrategy], ...] = (BucketedDDPStrategy, ZeroStrategy, FSDP2Strategy)
+STRATEGIES: tuple[type[LightscaleStrategy], ...] = (
+    BucketedDDPStrategy,
+    ZeroStrategy,
+    FSDP2Strategy,
+    Parallel3DStrategy,
+)
 
 
 def register_strategies() -> None:

@@ -16,10 +16,18 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
+from lightscale.recipes.gpt.parallelize import (
+    gpt_stage_modules,
+    parallelize_gpt,
+    validate_gpt_parallel,
+    validate_gpt_plan,
+)
 
 allow_in_checkpoints(GPTConfig)  # saved in hyper-parameters; a plain dataclass, safe to load weights-only
 
@@ -82,8 +90,26 @@ class GPTModule(pl.LightningModule):
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.loss_fn(self(tokens), targets)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; also the last pipeline stage's loss per microbatch."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Under loss_parallel (vocab-sharded logits) the loss is a replicated DTensor: hand back a plain tensor.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    # ---- parallelism hooks read by the parallel_3d strategy ------------------------------------------------
+    def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
+        validate_gpt_parallel(self.config, tp=tp, num_stages=num_stages)
+        if tp > 1:
+            validate_gpt_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
+        parallelize_gpt(model, mesh, **options)
+
+    def pipeline_stages(self, num_stages: int) -> list[list[str]]:
+        return gpt_stage_modules(self.config, num_stages)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
