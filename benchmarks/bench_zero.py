@@ -33,7 +33,7 @@ from common import StepTimer, interleaved, median, timed_trainer
 
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config
-from lightscale.strategies.zero import cpu_adam_from
+from lightscale.strategies.deepspeed_engine import cpu_adam_from
 from lightscale.testing import run_distributed
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)

@@ -47,3 +47,9 @@ def test_validate_subcommand(tmp_path: Path, corpus_cache: str) -> None:
 def test_zero3_offload_from_yaml(tmp_path: Path, corpus_cache: str) -> None:
     result = _run([*LIGHTSCALE, "fit", "--config", "gpt/tiny_zero3_offload.yaml", *FEW_STEPS], tmp_path, corpus_cache)
     assert "lightscale run summary (ZeroStrategy, 2 rank(s), 6 steps)" in result.stdout + result.stderr
+
+
+def test_parallel_3d_under_torchrun_on_8_processes(tmp_path: Path, corpus_cache: str) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "lightscale.cli"]
+    result = _run([*torchrun, "fit", "--config", "gpt/tiny_3d.yaml", *FEW_STEPS], tmp_path, corpus_cache)
+    assert "lightscale run summary (Parallel3DStrategy, 8 rank(s), 6 steps)" in result.stdout + result.stderr

@@ -18,9 +18,7 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -30,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.fsdp import apply_fsdp
 from lightscale.parallel.pipeline import even_stage_split
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan, validate_tp_plan
 from lightscale.recipes.gpt.model import GPT, GPTConfig
@@ -125,14 +124,6 @@ def parallelize_gpt(
             model.output.weight = model.tok_embeddings.weight  # both Shard(0) over tp: re-tie the DTensor
     dp_mesh = mesh["dp_replicate", "dp_shard"]
     if dp_mesh.size() > 1:
-        apply_data_parallel(model, dp_mesh, reshard_after_forward=reshard_after_forward)
+        # FSDP2 per block, then the root; a (replicate, shard) mesh makes it HSDP, a shard axis of 1 replication.
+        apply_fsdp(model, dp_mesh, units=list(model.layers.values()), reshard_after_forward=reshard_after_forward)
     return model
-
-
-def apply_data_parallel(model: GPT, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> None:
-    """FSDP2 per transformer block, then the root; on a (replicate, shard) mesh that is HSDP, with a shard axis of
-    size 1 plain replication. To be replaced by ``lightscale.parallel.fsdp.apply_fsdp`` (issue 4) when it lands."""
-    block: nn.Module
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

@@ -1,0 +1,86 @@
+"""Pieces around DeepSpeed's engine that the ZeRO strategy uses: the module the engine wraps, the accumulation
+boundary, CPU Adam from the user's optimizer, and the NVMe check.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
+
+
+class EngineRoot(nn.Module):
+    """The module DeepSpeed wraps: the LightningModule's parameters, buffers and children under the same names,
+    entered once per step.
+
+    Lightning routes ``training_step`` through ``engine(...)``, and ``training_step`` calls ``self(x)``: with the
+    LightningModule as the engine's root, ZeRO-3's root hooks ran twice per step, its recorded module order never
+    matched, and it fell back to gathering every parameter on its own without prefetch (2x the all-gathers, step
+    time 1.3-1.7x a raw engine loop). This root shares the LightningModule's state (checkpoint keys unchanged)
+    and calls its ``forward`` without ``__call__``, so only the inner ``self(x)`` enters the module tree.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
+        self._lightning_module = [module]  # in a list so it is not registered as a child
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lightning_module[0].forward(*args, **kwargs)
+
+
+@contextmanager
+def not_a_boundary(engine: Any):
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+
+
+def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam with ``optimizer``'s parameter groups and hyper-parameters (Adam or AdamW only)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigurationError(
+            f"Optimizer offload runs Adam/AdamW as DeepSpeed's CPU Adam, got {type(optimizer).__name__}. Use "
+            "Adam/AdamW, or pass config={'zero_force_ds_cpu_optimizer': False} to step your optimizer on the CPU."
+        )
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        groups = [dict(group) for group in optimizer.param_groups]
+        defaults = optimizer.defaults
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=defaults["lr"],
+            betas=defaults["betas"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+        )
+    except (ImportError, RuntimeError, OSError) as error:
+        raise RuntimeError(
+            "DeepSpeed's CPU Adam extension could not be built. It JIT-compiles with g++ and ninja against the "
+            "Python headers: install a C++ compiler (apt-get install g++), `pip install ninja`, and python3-dev. "
+            f"Cause: {error}"
+        ) from error
+
+
+def check_async_io() -> None:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ConfigurationError(
+            "NVMe offload (zero_infinity) needs DeepSpeed's async_io op, which builds against libaio: install it "
+            "(Debian/Ubuntu: apt-get install libaio-dev) or use zero3_offload (host memory) instead."
+        )
