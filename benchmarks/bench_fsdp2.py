@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import StepTimer, interleaved, median, timed_trainer
+from common import LossStepTimer, interleaved, median, timed_trainer
 
 from lightscale.parallel.fsdp import materialize_meta_module, rng_states
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
@@ -41,16 +41,6 @@ from lightscale.testing import run_distributed
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
 WARMUP = 2
-
-
-class LossStepTimer(StepTimer):
-    def __init__(self, warmup: int) -> None:
-        super().__init__(warmup)
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.losses.append(float(outputs["loss"]))
 
 
 class Traffic:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import StepTimer, interleaved, median, timed_trainer
+from common import LossStepTimer, interleaved, median, timed_trainer
 
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config
@@ -40,18 +40,6 @@ MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
 OPTIONS = ZeroOptions(stage=3, offload_optimizer=True, offload_params=True)  # what "zero3_offload" means
 PRECISION = "32-true"
 WARMUP = 2
-
-
-class LossStepTimer(StepTimer):
-    """StepTimer that also keeps every step's loss (outside the timed span)."""
-
-    def __init__(self, warmup: int) -> None:
-        super().__init__(warmup)
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.losses.append(float(outputs["loss"]))
 
 
 def _lightscale(steps: int, batch_size: int) -> tuple[list[float], list[float]]:

@@ -27,6 +27,20 @@ class StepTimer(Callback):
             self.times.append(time.perf_counter() - self._start)
 
 
+class LossStepTimer(StepTimer):
+    """StepTimer that also keeps every step's loss (outside the timed span), to show both sides did the same work."""
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__(warmup)
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.losses.append(float(outputs["loss"]))
+
+
 def timed_trainer(strategy: str, *, devices: int, steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer:
     """A lightscale Trainer that only trains and times: no logging, checkpoints, progress bar or validation."""
     import lightscale
