@@ -22,7 +22,6 @@ import os
 import sys
 import time
 from itertools import islice
-from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LossStepTimer, interleaved, median, timed_trainer
+from common import LossStepTimer, interleaved, median, stub_trainer, timed_trainer
 
 from lightscale.parallel.fsdp import materialize_meta_module, rng_states
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
@@ -76,15 +75,10 @@ def _lightscale(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     return timer.times, timer.losses
 
 
-def _stub_trainer(max_steps: int) -> SimpleNamespace:
-    shard = {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
-    return SimpleNamespace(max_steps=max_steps, strategy=SimpleNamespace(distributed_sampler_kwargs=shard))
-
-
 def _hand_written(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     pl.seed_everything(0, verbose=False)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    stub = _stub_trainer(WARMUP + steps)
+    stub = stub_trainer(WARMUP + steps)
     module = GPTModule(MODEL)
     state = rng_states()
     with torch.device("meta"):

@@ -18,7 +18,6 @@ import sys
 import time
 from itertools import islice
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 # DeepSpeed JIT-builds CPU Adam once per virtual environment; reuse that build (as ZeroStrategy does).
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LossStepTimer, interleaved, median, timed_trainer
+from common import LossStepTimer, interleaved, median, stub_trainer, timed_trainer
 
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config
@@ -52,18 +51,12 @@ def _lightscale(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     return timer.times, timer.losses
 
 
-def _stub_trainer(max_steps: int) -> SimpleNamespace:
-    """The two Trainer attributes the recipe reads: max_steps (LR schedule) and the data-parallel shard."""
-    shard = {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
-    return SimpleNamespace(max_steps=max_steps, strategy=SimpleNamespace(distributed_sampler_kwargs=shard))
-
-
 def _raw(steps: int, batch_size: int) -> tuple[list[float], list[float]]:
     import deepspeed
 
     deepspeed.init_distributed("gloo", dist_init_required=False)
     pl.seed_everything(0, verbose=False)
-    stub = _stub_trainer(WARMUP + steps)
+    stub = stub_trainer(WARMUP + steps)
     config = build_config(
         OPTIONS, micro_batch_size=batch_size, accumulate=1, gradient_clip_val=None, precision=PRECISION
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -59,6 +60,15 @@ def timed_trainer(strategy: str, *, devices: int, steps: int, callbacks: list[Ca
         callbacks=callbacks,
         **kwargs,
     )
+
+
+def stub_trainer(max_steps: int) -> Any:
+    """The two Trainer attributes the GPT recipe reads in a hand-written loop: max_steps (LR schedule) and the
+    data-parallel shard (every rank its own)."""
+    import torch.distributed as dist
+
+    shard = {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
+    return SimpleNamespace(max_steps=max_steps, strategy=SimpleNamespace(distributed_sampler_kwargs=shard))
 
 
 def median(values: list[float]) -> float:

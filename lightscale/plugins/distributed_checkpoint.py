@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from lightscale.errors import ConfigurationError
 
 TRAINER_STATE = "trainer_state.pt"
+# Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _barrier() -> None:
@@ -49,16 +51,18 @@ def save_sharded(
     optimizers: list[Optimizer],
     trainer_state: dict[str, Any],
     save_file: Callable[[dict[str, Any], Path], None],
+    *,
+    trainer_state_name: str = TRAINER_STATE,
 ) -> None:
     """Collectively save ``model``/``optimizers`` shards and (rank 0) ``trainer_state`` as directory ``path``."""
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizers)
+    model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
     if _rank() == 0:
-        save_file(trainer_state, tmp / TRAINER_STATE)
+        save_file(trainer_state, tmp / trainer_state_name)
     _barrier()
     if _rank() == 0:
         _replace(tmp, path)
@@ -76,22 +80,27 @@ def _replace(new: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
-def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> None:
+def load_sharded(
+    path: Path, model: nn.Module, optimizers: list[Optimizer], *, trainer_state_name: str = TRAINER_STATE
+) -> None:
     """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size."""
-    check_checkpoint_dir(path)
-    model_state, optim_state = get_state_dict(model, optimizers)
+    check_checkpoint_dir(path, trainer_state_name)
+    model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optimizer"] = optim_state
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(
+        model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}), options=_FLAT
+    )
 
 
-def check_checkpoint_dir(path: Path) -> None:
-    if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
+def check_checkpoint_dir(path: Path, trainer_state_name: str = TRAINER_STATE) -> None:
+    if not (path / ".metadata").is_file() or not (path / trainer_state_name).is_file():
         raise ConfigurationError(
-            f"{path} is not a sharded checkpoint directory saved by an FSDP2 strategy (it needs .metadata and "
-            f"{TRAINER_STATE}). Single-file checkpoints of other strategies cannot be resumed under FSDP2."
+            f"{path} is not a sharded checkpoint directory saved by an FSDP2 strategy or parallel_3d (it "
+            f"needs .metadata and {trainer_state_name}). Single-file checkpoints of other strategies cannot be "
+            "resumed here."
         )
 
 

@@ -27,16 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -51,10 +43,11 @@ from lightscale.parallel.pipeline import (
     stage_ids,
     validate_schedule,
 )
+from lightscale.plugins.distributed_checkpoint import load_sharded, save_sharded
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: stages and shards differ
+_META = {"trainer_state_name": "meta.ckpt"}  # Lightning's loop state beside the DCP shards
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -282,30 +275,16 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
-        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``meta.ckpt``."""
-        path = Path(filepath)
-        module = self.lightning_module
-        state = {"model": get_model_state_dict(module)}
-        if self.optimizers:
-            state["optimizer"] = get_optimizer_state_dict(module, self.optimizers, options=_FLAT)
-        dcp.save(state, checkpoint_id=path)
-        if self.is_global_zero:
-            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            self.checkpoint_io.save_checkpoint(rest, path / "meta.ckpt")
-        self.barrier()
+        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``meta.ckpt``; atomically."""
+        path = Path(self.broadcast(str(filepath)))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint, **_META)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        module = self.lightning_module
-        state = {"model": get_model_state_dict(module)}
-        if self.optimizers:
-            state["optimizer"] = get_optimizer_state_dict(module, self.optimizers, options=_FLAT)
-        dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards
-        set_model_state_dict(module, state["model"])
-        if self.optimizers:
-            set_optimizer_state_dict(module, self.optimizers, state["optimizer"], options=_FLAT)
-        meta = self.checkpoint_io.load_checkpoint(path / "meta.ckpt")
+        path = Path(self.broadcast(str(checkpoint_path)))
+        load_sharded(path, self.lightning_module, self.optimizers, **_META)  # in place, into this rank's shards
+        meta = self.checkpoint_io.load_checkpoint(path / _META["trainer_state_name"])
         return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
 
     @override
