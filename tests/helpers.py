@@ -13,20 +13,40 @@ import lightscale
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+# Plain SGD sees a wrong gradient scale: a 2x gradient is a 2x step (AdamW would cancel it). The rate is large
+# enough that 2x moves the tiny GPT's losses by far more than the parity tolerance (test_parity.py measures it).
+SGD_LR = 0.25
+
+
+class SGDGPTModule(GPTModule):
+    """The GPT recipe's module trained with plain SGD (no momentum, constant rate), for parity tests."""
+
+    def __init__(self, config: GPTConfig, *, sgd_lr: float = SGD_LR) -> None:
+        super().__init__(config)
+        self.sgd_lr = sgd_lr
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.sgd_lr)
 
 
 class StepLosses(pl.Callback):
-    """Loss of every optimizer step, averaged over micro-batches and over data-parallel ranks."""
+    """Loss of every optimizer step, averaged over micro-batches and over data-parallel ranks.
+
+    ``local`` keeps this rank's own loss per step (before any reduction across ranks), so a test can check each
+    rank's share instead of a value that was already all-reduced.
+    """
 
     def __init__(self) -> None:
         self.micro: list[float] = []
         self.steps: list[float] = []
+        self.local: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.micro.append(float(outputs["loss"]))
         if len(self.micro) == trainer.accumulate_grad_batches:
             # Lightning reports each micro-batch loss already divided by accumulate_grad_batches: sum them.
             mean = torch.tensor(sum(self.micro), dtype=torch.float64)
+            self.local.append(mean.item())
             if dist.is_initialized():
                 dist.all_reduce(mean)
                 mean /= dist.get_world_size()
@@ -59,11 +79,20 @@ def train_tiny_gpt(
     stop_after: int | None = None,
     save_checkpoint_to: str | None = None,
     resume_from: str | None = None,
+    sgd_lr: float | None = None,
+    local_losses: bool = False,
     **trainer_kwargs: Any,
 ) -> list[float]:
-    """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step."""
+    """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step.
+
+    ``sgd_lr`` trains with plain SGD at that rate instead of the recipe's AdamW; ``local_losses`` returns this
+    rank's own losses (not reduced across ranks).
+    """
     pl.seed_everything(1234, verbose=False)
-    module = GPTModule(config, learning_rate=3e-3, warmup_steps=3)
+    if sgd_lr is None:
+        module: GPTModule = GPTModule(config, learning_rate=3e-3, warmup_steps=3)
+    else:
+        module = SGDGPTModule(config, sgd_lr=sgd_lr)
     data = GPTDataModule(block_size=config.block_size, batch_size=batch_size, cache_dir=cache_dir)
     losses = StepLosses()
     trainer = lightscale.Trainer(
@@ -82,7 +111,7 @@ def train_tiny_gpt(
         **trainer_kwargs,
     )
     trainer.fit(module, data, ckpt_path=resume_from)
-    return losses.steps
+    return losses.local if local_losses else losses.steps
 
 
 def _interruption(stop_after: int | None, checkpoint: str | None) -> list[pl.Callback]:

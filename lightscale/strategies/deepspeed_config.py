@@ -149,6 +149,9 @@ def build_config(
     validate_user_config(user)
     zero = {**user.pop("zero_optimization", {}), **zero_section(options)}
     return {
+        # Any torch optimizer steps the ZeRO partitions (SGD, Lion, ...), as under Lightning's DeepSpeed strategy;
+        # DeepSpeed otherwise asserts on every optimizer it did not write. The user's config may still say False.
+        "zero_allow_untested_optimizer": True,
         **user,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulate,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ class ZeroStrategy(LightscaleStrategy):
         super().setup_environment()
         # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory comm) once per virtual environment.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        silence_deepspeed_noise()
         import deepspeed
 
         deepspeed.init_distributed(self.process_group_backend, dist_init_required=False)
@@ -245,6 +247,16 @@ class ZeroStrategy(LightscaleStrategy):
         if self.model is not None and self.lightning_module is not None:
             self.model = self.lightning_module
         super().teardown()
+
+
+# DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
+# drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
+_DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def silence_deepspeed_noise() -> None:
+    """Ignore the deprecation warnings torch raises for DeepSpeed's collectives (idempotent)."""
+    warnings.filterwarnings("ignore", _DEEPSPEED_NOISE, FutureWarning, r"torch\.distributed\.c10d_logger")
 
 
 def _precision_name(plugin: Precision) -> str:

@@ -1,7 +1,7 @@
-"""The FSDP2 strategies reproduce single-process training step by step (fp32, same data, same seed).
+"""The FSDP2 strategies' own options reproduce single-process SGD training step by step (fp32, same data, seed).
 
-Each name on 2 ranks (hsdp on 4: 2 replicas x 2 shards) with the global batch fixed at 8: plain, with
-gradient accumulation, and with activation checkpointing; clipping by the global norm; mixed precision.
+Every name's plain parity, accumulation, clipping and the planted-error check are in test_parity.py; here:
+activation checkpointing, mixed precision and building the model on every rank (no meta device).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import relative_difference, train_tiny_gpt
+from helpers import SGD_LR, relative_difference, train_tiny_gpt
 
 from lightscale.strategies import FSDP2Strategy
 from lightscale.testing import run_distributed
@@ -34,29 +34,17 @@ def _train(strategy: Any, ranks: int, cache_dir: str, *, accumulate: int = 1, **
         cache_dir=cache_dir,
         world_size=ranks,
         timeout_s=600,
+        max_steps=10,
+        sgd_lr=SGD_LR,
+        local_losses=True,
         **kwargs,
     )
-    assert all(losses == per_rank[0] for losses in per_rank)  # every rank logs the same global loss
-    return per_rank[0]
+    return [sum(step) / ranks for step in zip(*per_rank, strict=True)]  # each rank's own loss, averaged
 
 
 @pytest.fixture(scope="module")
 def single_process_losses(corpus_cache: str) -> list[float]:
     return _train("auto", 1, corpus_cache)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_matches_single_process(name: str, single_process_losses: list[float], corpus_cache: str) -> None:
-    losses = _train(name, RANKS.get(name, 2), corpus_cache)
-    assert len(losses) == 20
-    assert relative_difference(losses, single_process_losses) <= TOLERANCE
-    assert single_process_losses[-1] < single_process_losses[0] - 0.5  # it learned: the comparison is not vacuous
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_gradient_accumulation_matches(name: str, single_process_losses: list[float], corpus_cache: str) -> None:
-    losses = _train(name, RANKS.get(name, 2), corpus_cache, accumulate=2)
-    assert relative_difference(losses, single_process_losses) <= TOLERANCE
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -76,26 +64,15 @@ def test_selective_activation_checkpointing_with_accumulation_matches(
     assert relative_difference(losses, single_process_losses) <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp"])
-def test_gradient_clipping_uses_the_global_norm(
-    name: str, single_process_losses: list[float], corpus_cache: str
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 5e-3), ("16-mixed", 1e-3)])
+def test_mixed_precision_matches_single_process_mixed_precision(
+    precision: str, tolerance: float, corpus_cache: str
 ) -> None:
-    clipped = _train("auto", 1, corpus_cache, gradient_clip_val=0.05)
-    # AdamW is nearly invariant to gradient scale, so clipping moves losses little, but far beyond TOLERANCE.
-    assert relative_difference(clipped, single_process_losses) > 50 * TOLERANCE  # the clip is active
-    losses = _train(name, RANKS.get(name, 2), corpus_cache, gradient_clip_val=0.05)
-    assert relative_difference(losses, clipped) <= TOLERANCE
-
-
-def test_bf16_mixed_trains_close_to_fp32(single_process_losses: list[float], corpus_cache: str) -> None:
-    losses = _train("fsdp2", 2, corpus_cache, precision="bf16-mixed")
-    # bf16 compute (8-bit mantissa) with fp32 master weights and reduction: close to fp32, not equal.
-    assert relative_difference(losses, single_process_losses) <= 2e-2
-
-
-def test_fp16_mixed_trains_with_a_sharded_loss_scaler(single_process_losses: list[float], corpus_cache: str) -> None:
-    losses = _train("fsdp2", 2, corpus_cache, precision="16-mixed")
-    assert relative_difference(losses, single_process_losses) <= 2e-2
+    # FSDP casts parameters per unit (MixedPrecisionPolicy) where one process autocasts per op: the same precision,
+    # not the same program. Measured: bf16 ~1e-3, fp16 (with ShardedGradScaler) ~6e-5; a 2x gradient moves ~0.1.
+    reference = _train("auto", 1, corpus_cache, precision=precision)
+    losses = _train("fsdp2", 2, corpus_cache, precision=precision)
+    assert relative_difference(losses, reference) <= tolerance
 
 
 def test_model_built_on_every_rank_without_meta_init_matches(

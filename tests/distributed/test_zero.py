@@ -1,6 +1,8 @@
-"""The ZeRO strategies on DeepSpeed: parity with single-process training, bad input, host-memory offload."""
+"""The ZeRO strategies on DeepSpeed: CPU Adam parity, bad input, host-memory offload (SGD parity: test_parity.py)."""
 
 from __future__ import annotations
+
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -15,38 +17,26 @@ TOLERANCE = 1e-4  # relative, per step (the issue's bound; measured ~2e-7 in fp3
 NAMES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity"]
 
 
-def _async_io_available() -> bool:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return AsyncIOBuilder().is_compatible(verbose=False)
-
-
 @pytest.fixture(scope="module")
 def single_process_losses(corpus_cache: str) -> list[float]:
-    return run_distributed(train_tiny_gpt, "auto", devices=1, batch_size=8, cache_dir=corpus_cache, world_size=1)[0]
+    return run_distributed(
+        train_tiny_gpt, "auto", devices=1, batch_size=8, max_steps=10, cache_dir=corpus_cache, world_size=1
+    )[0]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_matches_single_process(name: str, single_process_losses: list[float], corpus_cache: str, tmp_path) -> None:
-    if name == "zero_infinity" and not _async_io_available():
-        pytest.skip("zero_infinity needs libaio (apt-get install libaio-dev); the clear error is tested below")
+def test_cpu_adam_matches_torch_adamw(single_process_losses: list[float], corpus_cache: str, tmp_path) -> None:
+    # Optimizer offload swaps the user's AdamW for DeepSpeed's CPU Adam: same update rule, to fp32 rounding.
+    # (Gradient scale is checked with SGD for every name in test_parity.py; Adam cannot see it.)
     per_rank = run_distributed(
         train_tiny_gpt,
-        name,
+        "zero3_offload",
         devices=2,
         batch_size=4,
+        max_steps=10,
         cache_dir=corpus_cache,
         default_root_dir=str(tmp_path),
         world_size=2,
         timeout_s=900,
-    )
-    assert per_rank[0] == per_rank[1]
-    assert relative_difference(per_rank[0], single_process_losses) <= TOLERANCE
-
-
-def test_gradient_accumulation_matches(single_process_losses: list[float], corpus_cache: str) -> None:
-    per_rank = run_distributed(
-        train_tiny_gpt, "zero2", devices=2, batch_size=2, accumulate=2, cache_dir=corpus_cache, world_size=2
     )
     assert relative_difference(per_rank[0], single_process_losses) <= TOLERANCE
 
@@ -186,3 +176,23 @@ def test_zero3_enters_the_module_once_per_step_so_prefetch_works(corpus_cache: s
     # would be entered twice, the trace would be invalidated every step and each parameter gathered on its own.
     complete = run_distributed(_trace_modes, corpus_cache, world_size=2)[0]
     assert complete == [False, True, True, True]  # step 1 records the trace, then it is reused
+
+
+class _UserWarns(pl.Callback):
+    def on_train_batch_end(self, *args: object) -> None:
+        warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+
+
+def _warnings_of_a_zero3_run(cache_dir: str, tmp_path: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_tiny_gpt(
+            "zero3", devices=2, batch_size=4, max_steps=3, cache_dir=cache_dir, extra_callbacks=[_UserWarns()]
+        )
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_deepspeed_deprecation_noise_is_filtered_but_user_warnings_show(corpus_cache: str, tmp_path) -> None:
+    seen = run_distributed(_warnings_of_a_zero3_run, corpus_cache, str(tmp_path), world_size=2)[0]
+    assert not [w for w in seen if "all_gather_into_tensor` is deprecated" in w]  # was ~30 per step
+    assert seen.count("UserWarning: the user's own warning") == 3
