@@ -11,12 +11,12 @@ Modes:
       cheap element-wise ops (norms, activations, residual adds) -- torch's selective checkpoint policy.
 
 Example:
-    >>> apply_activation_checkpointing(model, mode="selective", unit_classes=("TransformerBlock",))
+    >>> apply_activation_checkpointing(list(model.layers), mode="selective")
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from functools import partial
 from typing import Literal
 
@@ -26,7 +26,6 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.fsdp import find_units
 
 ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")
@@ -53,22 +52,20 @@ def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) 
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, *, mode: ACMode, unit_classes: Sequence[str]) -> nn.Module:
-    """Checkpoint every unit of ``model`` (found by class name) in place; ``mode="none"`` does nothing."""
+def apply_activation_checkpointing(units: Iterable[nn.Module], *, mode: ACMode) -> None:
+    """Checkpoint every one of ``units`` (e.g. the transformer blocks) in place; ``mode="none"`` does nothing."""
     check_ac_mode(mode)
     if mode == "none":
-        return model
-    for unit in find_units(model, unit_classes):
+        return
+    for unit in units:
         if mode == "full":
             checkpoint(unit)
         else:
             checkpoint(unit, context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-    return model
 
 
-def maybe_compile_units(model: nn.Module, *, enabled: bool, unit_classes: Sequence[str]) -> nn.Module:
+def maybe_compile_units(units: Iterable[nn.Module], *, enabled: bool) -> None:
     """``torch.compile`` each unit's forward in place (per block: small graphs, shared across identical blocks)."""
     if enabled:
-        for unit in find_units(model, unit_classes):
+        for unit in units:
             unit.compile()
-    return model

@@ -62,6 +62,30 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
+def infer_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model that names none: the children of its largest ``nn.ModuleList`` or
+    ``nn.Sequential`` whose children all share one class (largest by parameter count); else no unit (the whole
+    model is then one FSDP group)."""
+    best: list[nn.Module] = []
+    best_size = 0
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(container) < 2:
+            continue
+        children = list(container.children())
+        if len({type(child) for child in children}) != 1:
+            continue
+        size = sum(p.numel() for p in container.parameters())
+        if size > best_size:
+            best, best_size = children, size
+    return best
+
+
+def describe_units(units: Sequence[nn.Module]) -> str:
+    if not units:
+        return "no repeated blocks found: the whole model is one FSDP unit"
+    return f"{len(units)} x {type(units[0]).__name__}"
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -123,12 +147,15 @@ def materialize_meta_module(
     ``rng_state`` (from :func:`rng_states`) is taken just before the model was built on the meta device.
     """
     _check_materializable(model)
+    kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
     model.to_empty(device=device)
+    done = _restore(model, kept)
     if rng_state is not None:
         _set_rng_states(rng_state)
-    done: set[int] = set()
     for module in model.modules():
-        if callable(getattr(module, "reset_parameters", None)):
+        own = list(module.parameters(recurse=False))
+        already = own and all(id(p) in done for p in own)  # built for real: its draws preceded the snapshot
+        if callable(getattr(module, "reset_parameters", None)) and not already:
             _reset_module_shards(module, device, done)
     missed = [name for name, p in model.named_parameters() if id(p) not in done]
     if missed:
@@ -136,6 +163,30 @@ def materialize_meta_module(
             f"Parameters {missed} belong to modules without reset_parameters(), so they cannot be initialized "
             "after building on the meta device. Give their modules a reset_parameters(), or set meta_init=False."
         )
+
+
+def _real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {f"p.{name}": p for name, p in model.named_parameters()}
+    tensors |= {f"b.{name}": b for name, b in model.named_buffers()}
+    return {name: _local(t).detach().clone() for name, t in tensors.items() if not _local(t).is_meta}
+
+
+def _restore(model: nn.Module, kept: dict[str, torch.Tensor]) -> set[int]:
+    """Copy ``kept`` values back after ``to_empty``; return the ids of the parameters restored."""
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if f"p.{name}" in kept:
+                _local(p).copy_(kept[f"p.{name}"])
+                done.add(id(p))
+        for name, b in model.named_buffers():
+            if f"b.{name}" in kept:
+                _local(b).copy_(kept[f"b.{name}"])
+    return done
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _check_materializable(model: nn.Module) -> None:

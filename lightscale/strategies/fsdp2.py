@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -32,19 +33,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.activation_checkpoint import (
-    ACMode,
-    apply_activation_checkpointing,
-    check_ac_mode,
-    maybe_compile_units,
-)
-from lightscale.parallel.fsdp import apply_fsdp, find_units, materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
+from lightscale.parallel.contract import sharding_units
+from lightscale.parallel.data_parallel import broadcast_tensors
+from lightscale.parallel.fsdp import materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
-
-UNITS_ATTRIBUTE = "fsdp_unit_classes"  # a LightningModule's plan: class names of its FSDP units
 
 
 class FSDP2Strategy(LightscaleStrategy):
@@ -52,7 +49,8 @@ class FSDP2Strategy(LightscaleStrategy):
 
     Args:
         unit_classes: class names of the modules sharded as one unit each (e.g. ``["TransformerBlock"]``);
-            default: the LightningModule's ``fsdp_unit_classes`` attribute (the recipe's plan).
+            default: the LightningModule's ``sharding_units()`` hook, else the repeated blocks found in the model
+            (lightscale/parallel/contract.py).
         reshard_after_forward: free gathered parameters after forward and re-gather in backward (ZeRO-3);
             ``False`` keeps them to backward (ZeRO-2-like: less communication, more memory).
         dp_replicate: replica groups (HSDP: gradients all-reduced across them); ``-1`` infers it.
@@ -157,41 +155,48 @@ class FSDP2Strategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
+        """The LightningModule is the FSDP root (so parameters defined on it are sharded too); its steps run
+        through its ``__call__`` (Lightning's forward redirection) so the root's hooks gather them."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
-        names = self._unit_classes(module)
-        apply_activation_checkpointing(module, mode=self.activation_checkpointing, unit_classes=names)
-        maybe_compile_units(module, enabled=self.compile, unit_classes=names)
         is_meta = any(p.is_meta for p in module.parameters())
+        device = torch.device("cpu") if self.offload else self.root_device
         if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
-            module.to("cpu" if self.offload else self.root_device)
-        units = find_units(module, names)
-        offload = CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None
-        policy = mp_policy(precision_name(self.precision_plugin))
-        for root in _roots(module):
-            inner = [unit for unit in units if any(unit is m for m in root.modules())]
-            apply_fsdp(
-                root,
-                self.fsdp_mesh,
-                units=inner,
-                mp_policy=policy,
-                offload_policy=offload,
-                reshard_after_forward=self.reshard_after_forward,
-            )
+            module.to(device)
+        broadcast_real_tensors(module)  # every rank starts from rank 0's weights
+        options = ParallelizeOptions(
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            mp_policy=mp_policy(precision_name(self.precision_plugin)),
+            offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
+            reshard_after_forward=self.reshard_after_forward,
+            always_shard=True,
+        )
+        units = sharding_units(module, unit_classes=self.unit_classes)
+        parallelize_model(module, self.device_mesh, units=units, options=options)
         if is_meta:
-            device = torch.device("cpu") if self.offload else self.root_device
             materialize_meta_module(module, device, rng_state=self._rng_state)
         return module
 
-    def _unit_classes(self, module: LightningModule) -> tuple[str, ...]:
-        names = self.unit_classes or getattr(module, UNITS_ATTRIBUTE, None)
-        if not names:
-            raise ConfigurationError(
-                f"FSDP2 needs the classes of its sharding units: pass unit_classes=[...] to the strategy or set "
-                f"{type(module).__name__}.{UNITS_ATTRIBUTE}. Class names in the model: "
-                f"{sorted({type(m).__name__ for m in module.modules()})}."
-            )
-        return tuple(names)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -237,9 +242,12 @@ class FSDP2Strategy(LightscaleStrategy):
             shutil.rmtree(filepath, ignore_errors=True)
 
 
-def _roots(module: LightningModule) -> list[nn.Module]:
-    """The LightningModule's direct children that hold parameters: each becomes an FSDP root."""
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+def broadcast_real_tensors(module: nn.Module) -> None:
+    """Copy rank 0's values of every parameter and buffer that is not on the meta device (meta ones are drawn
+    identically on every rank by materialization)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    if tensors and dist.is_initialized():
+        broadcast_tensors(tensors)
 
 
 @contextmanager

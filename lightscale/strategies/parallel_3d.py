@@ -1,14 +1,9 @@
 """``parallel_3d``: data x tensor x pipeline parallelism on DTensor, FSDP2 and ``torch.distributed.pipelining``.
 
-The LightningModule supplies its parallelism through duck-typed hooks (the GPT recipe's GPTModule has them all):
-
-    * ``parallelize(model, mesh, *, sequence_parallel, loss_parallel, reshard_after_forward)`` - apply TP then DP
-      to the network or to one pipeline stage of it (``parallelize_gpt``); required when tp > 1 or dp > 1;
-    * ``pipeline_stages(num_stages) -> list[list[str]]`` - module names of each stage; required when pp > 1;
-    * ``loss_fn(output, target)`` - the loss of one microbatch, computed on the last stage; required when pp > 1;
-    * ``validate_parallelism(*, tp, num_stages, sequence_parallel, loss_parallel)`` - optional, raises
-      ConfigurationError before any model work.
-The network is the module's ``.model`` attribute.
+The LightningModule tells it how to split through the model contract (lightscale/parallel/contract.py): a TP plan
+for tp > 1, a pipeline split and a microbatch loss for pp > 1; with only dp it needs nothing. Every stage (or the
+whole module) is parallelized by the one path, lightscale/parallel/parallelize.py: TP, activation checkpointing,
+compile, FSDP2 - so ``parallel_3d`` with only dp and ``fsdp2`` run the same program.
 
 How a pipelined step fits Lightning's loop (training_step -> zero_grad -> backward -> optimizer_step): the
 schedule runs forward *and* backward of every microbatch when the module's ``training_step`` calls
@@ -33,7 +28,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
+from lightscale.parallel.contract import check_hooks, has_hook, network_of, sharding_units, tp_plan_of
 from lightscale.parallel.grad_norm import clip_grad_norm_
+from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
     Pipeline,
     build_pipeline,
@@ -44,7 +42,9 @@ from lightscale.parallel.pipeline import (
     validate_schedule,
 )
 from lightscale.plugins.distributed_checkpoint import load_sharded, save_sharded
+from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.fsdp2 import broadcast_real_tensors
 from lightscale.strategies.mesh import ParallelDims
 
 _META = {"trainer_state_name": "meta.ckpt"}  # Lightning's loop state beside the DCP shards
@@ -63,6 +63,8 @@ class Parallel3DStrategy(LightscaleStrategy):
         stages_per_rank: pipeline stages per rank (default 1, or 2 for interleaved and zero-bubble schedules).
         sequence_parallel: shard norm activations over the sequence between TP regions.
         loss_parallel: cross-entropy on vocabulary-sharded logits (no all-gather of the logits).
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``, per sharding unit (after TP).
+        compile: ``torch.compile`` each sharding unit (after TP and checkpointing, before FSDP).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -88,9 +90,15 @@ class Parallel3DStrategy(LightscaleStrategy):
         stages_per_rank: int | None = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
+        activation_checkpointing: ACMode = "none",
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_ac_mode(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
         for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
@@ -127,42 +135,45 @@ class Parallel3DStrategy(LightscaleStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # validates the degrees against the world size
         module = self.lightning_module
-        validate = getattr(module, "validate_parallelism", None)
-        if validate is not None:
-            validate(
+        check_hooks(module, tp=self.tp, pp=self.pp)  # a missing plan fails here, naming the hook to write
+        if has_hook(module, "validate_parallelism"):
+            module.validate_parallelism(
                 tp=self.tp,
                 num_stages=self.num_stages,
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
             )
-        needed = (["parallelize"] if self.dims.tp_enabled or self.dims.dp_enabled else []) + (
-            ["pipeline_stages", "loss_fn", "loss"] if self.dims.pp_enabled else []
-        )
-        missing = [hook for hook in needed if not callable(getattr(module, hook, None))]
-        if missing:
-            raise ConfigurationError(
-                f"{type(module).__name__} lacks the hooks {missing} that parallel_3d needs for {self.dims.describe()}; "
-                "see lightscale/strategies/parallel_3d.py (GPTModule implements them all)."
-            )
 
     # ---- applying parallelism ------------------------------------------------------------------------------
+    @property
+    def shards_data_parallel(self) -> bool:
+        """FSDP applies to the whole LightningModule (no pipeline, dp > 1): precision is then FSDP's policy."""
+        return self.dims.dp_enabled and not self.dims.pp_enabled
+
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
-        model: nn.Module = module.model
+        broadcast_real_tensors(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
-            module.model = self._build_pipeline(module, model)
-        elif self.dims.tp_enabled or self.dims.dp_enabled:
-            self._parallelize(module, model)
+            self._network = module.model
+            module.model = self._build_pipeline(module, module.model)
+        else:
+            # The LightningModule is the FSDP root, as under fsdp2 (same program for the same degrees).
+            self._parallelize(module, module, sharding_units(module))
         return module
 
-    def _parallelize(self, module: LightningModule, model: nn.Module) -> None:
-        module.parallelize(
-            model,
-            self.device_mesh,
-            sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel,
+    def _parallelize(self, module: LightningModule, root: nn.Module, units: list[nn.Module]) -> None:
+        plan = None
+        if self.dims.tp_enabled:
+            plan = tp_plan_of(module, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+        network = root if self.dims.pp_enabled else network_of(module)
+        policy = mp_policy(precision_name(self.precision_plugin)) if self.shards_data_parallel else None
+        options = ParallelizeOptions(
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            mp_policy=policy,
             reshard_after_forward=not self.dims.pp_enabled,  # pipelines re-use weights across microbatches
         )
+        parallelize_model(root, self.device_mesh, units=units, options=options, network=network, tp_plan=plan)
 
     def _build_pipeline(self, module: LightningModule, model: nn.Module) -> nn.Module:
         names = module.pipeline_stages(self.num_stages)
@@ -170,8 +181,9 @@ class Parallel3DStrategy(LightscaleStrategy):
         pp_mesh = self.device_mesh["pp"]
         ids = stage_ids(pp_mesh.get_local_rank(), self.pp, self.stages_per_rank, v_shape=self.schedule == "zbv")
         stages = {index: prune_to(model, names[index], all_names) for index in ids}
+        units = sharding_units(module)
         for stage in stages.values():
-            self._parallelize(module, stage)
+            self._parallelize(module, stage, [unit for unit in units if _holds(stage, unit)])
         self.pipeline = build_pipeline(
             stages,
             schedule=self.schedule,
@@ -223,20 +235,27 @@ class Parallel3DStrategy(LightscaleStrategy):
         finally:
             del module.loss
 
+    def _run_step(self, name: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        with context:
+            if self.pipeline is not None:
+                return getattr(self.lightning_module, name)(*args, **kwargs)
+            # The LightningModule is the FSDP root: enter it through __call__ so its hooks gather its parameters.
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context(train=True):
-            return super().training_step(*args, **kwargs)
+            return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context(train=False):
-            return super().validation_step(*args, **kwargs)
+            return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context(train=False):
-            return super().test_step(*args, **kwargs)
+            return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -257,6 +276,15 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        name = precision_name(self.precision_plugin)
+        if self.dims.pp_enabled and name == "16-mixed":
+            raise ConfigurationError(
+                "precision='16-mixed' with pipeline parallelism (pp > 1) is refused: the schedule runs backward "
+                "inside training_step, before Lightning's loss scaler could scale it. Use 'bf16-mixed' (no loss "
+                "scaling needed) or pp=1."
+            )
+        if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
+            self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         super().setup(trainer)
         # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -294,3 +322,16 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded from the shards in load_checkpoint
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and self._network is not None:
+            module.model = self._network  # the user's network object again, not this rank's pipeline stages
+            self._network = None
+        self.pipeline = None
+        super().teardown()
+
+
+def _holds(stage: nn.Module, unit: nn.Module) -> bool:
+    return any(module is unit for module in stage.modules())

@@ -67,7 +67,7 @@ def test_bad_activation_checkpointing_mode() -> None:
 def test_activation_checkpointing_keeps_parameter_names() -> None:
     model = GPT(TINY)
     names = [name for name, _ in model.named_parameters()]
-    apply_activation_checkpointing(model, mode="full", unit_classes=["TransformerBlock"])
+    apply_activation_checkpointing(find_units(model, ["TransformerBlock"]), mode="full")
     assert [name for name, _ in model.named_parameters()] == names
 
 

@@ -16,18 +16,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.parallel.tensor_parallel import TPPlan
 from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
-from lightscale.recipes.gpt.parallelize import (
-    gpt_stage_modules,
-    parallelize_gpt,
-    validate_gpt_parallel,
-    validate_gpt_plan,
-)
+from lightscale.recipes.gpt.parallelize import gpt_stage_modules, gpt_tp_plan, validate_gpt_parallel, validate_gpt_plan
 
 allow_in_checkpoints(GPTConfig)  # saved in hyper-parameters; a plain dataclass, safe to load weights-only
 
@@ -47,9 +42,6 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 
 class GPTModule(pl.LightningModule):
     """Trains :class:`GPT` on ``(tokens, targets)`` batches; plain typed arguments so LightningCLI can build it."""
-
-    # The recipe's sharding plan, read by the FSDP2 strategies: each transformer block is one unit (root last).
-    fsdp_unit_classes: tuple[str, ...] = ("TransformerBlock",)
 
     def __init__(
         self,
@@ -99,14 +91,18 @@ class GPTModule(pl.LightningModule):
         # Under loss_parallel (vocab-sharded logits) the loss is a replicated DTensor: hand back a plain tensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
-    # ---- parallelism hooks read by the parallel_3d strategy ------------------------------------------------
+    # ---- the model contract (lightscale/parallel/contract.py) ------------------------------------------------
+    def sharding_units(self) -> list[nn.Module]:
+        assert self.model is not None
+        return [layer for layer in self.model.layers.values() if layer is not None]  # a stage holds some
+
+    def tp_plan(self, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
+        return gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
     def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
         validate_gpt_parallel(self.config, tp=tp, num_stages=num_stages)
         if tp > 1:
             validate_gpt_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-    def parallelize(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
-        parallelize_gpt(model, mesh, **options)
 
     def pipeline_stages(self, num_stages: int) -> list[list[str]]:
         return gpt_stage_modules(self.config, num_stages)

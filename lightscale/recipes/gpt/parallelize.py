@@ -28,9 +28,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.fsdp import apply_fsdp
+from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import even_stage_split
-from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan, validate_tp_plan
+from lightscale.parallel.tensor_parallel import TPPlan, validate_tp_plan
 from lightscale.recipes.gpt.model import GPT, GPTConfig
 
 
@@ -110,20 +110,13 @@ def parallelize_gpt(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
-    reshard_after_forward: bool = True,
+    options: ParallelizeOptions | None = None,
 ) -> GPT:
-    """Apply tensor parallelism, then data parallelism (FSDP2 / HSDP), to ``model`` or a pipeline stage of it.
+    """Parallelize a GPT (or a pipeline stage of it) by the one path: the GPT plan, then AC/compile, then FSDP2.
 
-    ``mesh`` has the axes of :meth:`ParallelDims.build_mesh`; axes of size 1 are skipped. Activation
-    checkpointing and compile would go between TP and FSDP (not applied yet).
+    For scripts and benchmarks outside Lightning; the strategies reach the same function through GPTModule's
+    hooks. ``mesh`` has the axes of :meth:`ParallelDims.build_mesh`; axes of size 1 are skipped.
     """
-    if mesh["tp"].size() > 1:
-        plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        apply_tp_plan(model, mesh["tp"], plan, strict=False)  # a stage holds part of the model
-        if model.config.tie_weights and model.output is not None and model.tok_embeddings is not None:
-            model.output.weight = model.tok_embeddings.weight  # both Shard(0) over tp: re-tie the DTensor
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
-    if dp_mesh.size() > 1:
-        # FSDP2 per block, then the root; a (replicate, shard) mesh makes it HSDP, a shard axis of 1 replication.
-        apply_fsdp(model, dp_mesh, units=list(model.layers.values()), reshard_after_forward=reshard_after_forward)
-    return model
+    plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    units = [layer for layer in model.layers.values() if layer is not None]
+    return parallelize_model(model, mesh, units=units, options=options or ParallelizeOptions(), tp_plan=plan)

@@ -1,0 +1,118 @@
+"""The model contract: what a LightningModule may tell lightscale's strategies, all in one place.
+
+Every hook is optional. A LightningModule that defines none trains under every data-parallel name (DDP, ZeRO,
+FSDP2, ``parallel_3d`` with only ``dp``): its network is the module itself (or its ``model`` child) and FSDP's
+units are inferred (:func:`~lightscale.parallel.fsdp.infer_units`). Tensor and pipeline parallelism need a plan,
+so ``tp > 1`` asks for :meth:`ParallelModel.tp_plan` and ``pp > 1`` for :meth:`ParallelModel.pipeline_stages`
+and :meth:`ParallelModel.loss_fn`; a missing hook is a :class:`ConfigurationError` naming it, before any work.
+
+Example (a model opting into TP and pipelines; the GPT recipe's ``GPTModule`` is the full version)::
+
+    class MyModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = MyNet()  # single-device: embed, blocks (ModuleList), head
+
+        def sharding_units(self):
+            return list(self.model.blocks)
+
+        def tp_plan(self, *, sequence_parallel, loss_parallel):
+            return {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+
+        def pipeline_stages(self, num_stages):
+            return even_stage_split([f"blocks.{i}" for i in range(8)], num_stages, first=["embed"], last=["head"])
+
+        def loss_fn(self, output, target):
+            return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+        def loss(self, batch):  # training_step computes its loss through self.loss: a pipeline serves it
+            x, y = batch
+            return self.loss_fn(self(x), y)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.fsdp import describe_units, find_units, infer_units
+from lightscale.parallel.tensor_parallel import TPPlan
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ParallelModel(Protocol):
+    """The hooks a LightningModule may define for lightscale's strategies (all optional)."""
+
+    def sharding_units(self) -> Sequence[nn.Module]:
+        """The repeated blocks: one FSDP group, one activation-checkpoint and one compile unit each."""
+        ...
+
+    def tp_plan(self, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
+        """Module-name pattern (relative to the network) -> ``ParallelStyle``; needed for ``tp > 1``."""
+        ...
+
+    def pipeline_stages(self, num_stages: int) -> list[list[str]]:
+        """Module names of the network held by each stage; needed for ``pp > 1``."""
+        ...
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        """The loss of one microbatch, computed on the last pipeline stage; needed for ``pp > 1``."""
+        ...
+
+    def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Raise ConfigurationError if the model cannot be split this way (called before any model work)."""
+        ...
+
+
+PIPELINE_HOOKS = ("pipeline_stages", "loss_fn", "loss")
+
+
+def has_hook(module: object, name: str) -> bool:
+    return callable(getattr(module, name, None))
+
+
+def network_of(module: nn.Module) -> nn.Module:
+    """The network the plans name modules in: the module's ``model`` child if it has one, else the module."""
+    model = getattr(module, "model", None)
+    return model if isinstance(model, nn.Module) else module
+
+
+def sharding_units(module: nn.Module, *, unit_classes: Sequence[str] | None = None) -> list[nn.Module]:
+    """The strategy's ``unit_classes`` if given, else the module's ``sharding_units()``, else inferred."""
+    network = network_of(module)
+    if unit_classes:
+        return find_units(network, unit_classes)
+    if has_hook(module, "sharding_units"):
+        return list(module.sharding_units())  # type: ignore[attr-defined]
+    units = infer_units(network)
+    log.info("lightscale: %s defines no sharding_units(); inferred %s", type(module).__name__, describe_units(units))
+    return units
+
+
+def tp_plan_of(module: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
+    if not has_hook(module, "tp_plan"):
+        raise ConfigurationError(
+            f"Tensor parallelism (tp > 1) needs a plan: define {type(module).__name__}.tp_plan(self, *, "
+            "sequence_parallel, loss_parallel) returning {module-name pattern: ColwiseParallel() | RowwiseParallel() "
+            "| ...} (see lightscale/parallel/contract.py and the GPT recipe's gpt_tp_plan), or use tp=1."
+        )
+    return module.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)  # type: ignore[attr-defined]
+
+
+def check_hooks(module: nn.Module, *, tp: int, pp: int) -> None:
+    """Raise before any work if the parallel degrees need hooks ``module`` does not define."""
+    if tp > 1:
+        tp_plan_of(module, sequence_parallel=False, loss_parallel=False)
+    missing = [hook for hook in PIPELINE_HOOKS if not has_hook(module, hook)] if pp > 1 else []
+    if missing:
+        raise ConfigurationError(
+            f"Pipeline parallelism (pp > 1) needs the hooks {missing} on {type(module).__name__}: pipeline_stages("
+            "num_stages) -> module names per stage, loss_fn(output, target) -> microbatch loss, and a loss(batch) "
+            "method that training_step uses (the pipeline serves it). See lightscale/parallel/contract.py, or use pp=1."
+        )

@@ -1,0 +1,76 @@
+"""The one way lightscale parallelizes a single-device model: TP -> activation checkpointing -> compile -> FSDP.
+
+``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
+:func:`parallelize_model`, so the same degrees give the same program whichever name chose them: tensor parallelism
+first (it changes parameters into DTensors on the ``tp`` axis), then activation checkpointing and compile on the
+units (they wrap forward, not parameters), then FSDP2 on the data-parallel axes (it shards whatever is there),
+the order torchtitan uses.
+
+Example:
+    >>> options = ParallelizeOptions(activation_checkpointing="full")
+    >>> parallelize_model(module, mesh, units=list(module.model.layers), options=options)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
+from lightscale.parallel.fsdp import apply_fsdp
+from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
+
+
+@dataclass
+class ParallelizeOptions:
+    """How to apply each step; the degrees come from the mesh."""
+
+    activation_checkpointing: ACMode = "none"
+    compile: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+    reshard_after_forward: bool = True
+    always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``dp_shard`` axis, or ``(dp_replicate, dp_shard)`` when replicas exist (HSDP; shard 1 = replication)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def parallelize_model(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    units: Sequence[nn.Module],
+    options: ParallelizeOptions,
+    network: nn.Module | None = None,
+    tp_plan: TPPlan | None = None,
+) -> nn.Module:
+    """Parallelize ``root`` in place over ``mesh`` (axes named as :meth:`ParallelDims.build_mesh` makes them).
+
+    ``network`` is the module ``tp_plan``'s patterns are relative to (default ``root``); ``units`` are the
+    repeated blocks (FSDP groups, checkpoint and compile units); ``root`` takes every parameter left over.
+    """
+    if mesh["tp"].size() > 1:
+        assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
+        apply_tp_plan(network if network is not None else root, mesh["tp"], tp_plan, strict=False)
+    apply_activation_checkpointing(units, mode=options.activation_checkpointing)
+    maybe_compile_units(units, enabled=options.compile)
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh.size() > 1 or options.always_shard:
+        apply_fsdp(
+            root,
+            dp_mesh,
+            units=units,
+            mp_policy=options.mp_policy,
+            offload_policy=options.offload_policy,
+            reshard_after_forward=options.reshard_after_forward,
+        )
+    return root
