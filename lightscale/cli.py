@@ -118,27 +118,33 @@ def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
 
 
 def export(args: list[str], *, format: str = "auto") -> None:
-    """``lightscale export CHECKPOINT OUTPUT``: a sharded checkpoint (ZeRO or FSDP2) as one state dict file.
+    """``lightscale export CHECKPOINT OUTPUT``: any strategy's checkpoint as one state dict file.
 
-    ``export-zero`` and ``export-fsdp2`` do the same for one format only.
+    Reads ZeRO directories, DCP directories (FSDP2 and parallel_3d) and single files (bucketed_ddp, one device);
+    ``export-zero`` and ``export-fsdp2`` force one format.
     """
     import argparse
 
+    from lightscale.plugins.atomic_dir import complete_checkpoint
+    from lightscale.plugins.checkpoint import export_single_file
     from lightscale.plugins.distributed_checkpoint import export_full_state_dict
     from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, export_zero_checkpoint
 
     parser = argparse.ArgumentParser(prog="lightscale export", description=export.__doc__)
-    parser.add_argument("checkpoint", help="a checkpoint directory saved by a ZeRO or FSDP2 strategy (last.ckpt)")
+    parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
     parser.add_argument("output", help="file to write (torch.save; load with torch.load(weights_only=True))")
     parser.add_argument("--prefix", default="model.", help="key prefix to strip; keys without it are dropped")
     parsed = parser.parse_args(args)
+    source = complete_checkpoint(Path(parsed.checkpoint))
     if format == "auto":
-        format = "zero" if (Path(parsed.checkpoint) / CHECKPOINT_TAG).is_dir() else "fsdp2"
+        format = "zero" if (source / CHECKPOINT_TAG).is_dir() else "fsdp2" if source.is_dir() else "file"
+    exporters = {
+        "zero": export_zero_checkpoint,
+        "fsdp2": lambda *args, **kwargs: len(export_full_state_dict(*args, **kwargs)),
+        "file": export_single_file,
+    }
     try:
-        if format == "zero":
-            count = export_zero_checkpoint(parsed.checkpoint, parsed.output, prefix=parsed.prefix)
-        else:
-            count = len(export_full_state_dict(parsed.checkpoint, parsed.output, prefix=parsed.prefix))
+        count = exporters[format](parsed.checkpoint, parsed.output, prefix=parsed.prefix)
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
         raise SystemExit(f"error: {error}") from None
     print(f"wrote {count} tensors to {parsed.output}")

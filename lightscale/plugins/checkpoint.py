@@ -7,13 +7,17 @@ Lightning stores in a checkpoint allow-listed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
 
 _ALLOWED: list[Any] = []
 
@@ -43,3 +47,23 @@ class SafeCheckpointIO(TorchCheckpointIO):
         trusted_code = weights_only is False  # only an explicit False opts out
         with torch.serialization.safe_globals(checkpoint_safe_globals()):
             return super().load_checkpoint(path, map_location=map_location, weights_only=not trusted_code)
+
+
+def save_atomically(state: dict[str, Any], output: Path) -> None:
+    """``torch.save`` to ``output.partial``, then rename: never a half-written file under the final name."""
+    partial = output.with_name(output.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, output)
+
+
+def export_single_file(checkpoint: str | os.PathLike, output: str | os.PathLike, *, prefix: str = "model.") -> int:
+    """The model weights of a single-file Lightning checkpoint (bucketed_ddp, one device), loaded weights-only,
+    with ``prefix`` stripped (keys without it dropped; ``prefix=""`` keeps all). Returns the count written."""
+    state = SafeCheckpointIO().load_checkpoint(checkpoint).get("state_dict", {})
+    model = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    if not model:
+        raise ConfigurationError(
+            f"No state_dict key of {checkpoint} starts with {prefix!r}; keys: {sorted(state)[:3]}."
+        )
+    save_atomically(model, Path(output))
+    return len(model)

@@ -8,8 +8,8 @@ Layout of ``CKPT/``::
 
 DCP stores every tensor with its global shape and the offsets of each shard, so a checkpoint saved on N
 ranks loads on M (resharding) and, offline, into one full state dict (:func:`export_full_state_dict`).
-Saves are atomic: all ranks write into ``CKPT.tmp``, then rank 0 renames it, so a run killed mid-save
-never leaves a half-written ``CKPT``.
+Saves are atomic (lightscale/plugins/atomic_dir.py): all ranks write into ``CKPT.tmp``, then rank 0 swaps it in,
+so a run killed mid-save always leaves the previous or the new checkpoint complete.
 
 Example:
     >>> export_full_state_dict("runs/last.ckpt", "gpt.pt")  # then GPT(config).load_state_dict(torch.load(...))
@@ -17,12 +17,10 @@ Example:
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -30,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.optim import Optimizer
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.plugins.checkpoint import save_atomically
 
 TRAINER_STATE = "trainer_state.pt"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
@@ -51,40 +51,30 @@ def save_sharded(
     optimizers: list[Optimizer],
     trainer_state: dict[str, Any],
     save_file: Callable[[dict[str, Any], Path], None],
-    *,
-    trainer_state_name: str = TRAINER_STATE,
 ) -> None:
     """Collectively save ``model``/``optimizers`` shards and (rank 0) ``trainer_state`` as directory ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    if _rank() == 0 and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = staging_path(path)
+    if _rank() == 0:
+        start_staging(path)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
     if _rank() == 0:
-        save_file(trainer_state, tmp / trainer_state_name)
+        save_file(trainer_state, tmp / TRAINER_STATE)
     _barrier()
     if _rank() == 0:
-        _replace(tmp, path)
+        publish(tmp, path)
     _barrier()
 
 
-def _replace(new: Path, target: Path) -> None:
-    old = target.with_name(target.name + ".old")
-    if target.is_dir():
-        target.rename(old)
-    elif target.exists():
-        target.unlink()
-    new.rename(target)
-    if old.exists():
-        shutil.rmtree(old)
+def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> Path:
+    """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size.
 
-
-def load_sharded(
-    path: Path, model: nn.Module, optimizers: list[Optimizer], *, trainer_state_name: str = TRAINER_STATE
-) -> None:
-    """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size."""
-    check_checkpoint_dir(path, trainer_state_name)
+    Returns the directory read (``path``, or its ``.old`` twin after a crash mid-publish): its trainer state is
+    ``returned / TRAINER_STATE``.
+    """
+    path = complete_checkpoint(path)
+    check_checkpoint_dir(path)
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
@@ -93,13 +83,14 @@ def load_sharded(
     set_state_dict(
         model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}), options=_FLAT
     )
+    return path
 
 
-def check_checkpoint_dir(path: Path, trainer_state_name: str = TRAINER_STATE) -> None:
-    if not (path / ".metadata").is_file() or not (path / trainer_state_name).is_file():
+def check_checkpoint_dir(path: Path) -> None:
+    if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
             f"{path} is not a sharded checkpoint directory saved by an FSDP2 strategy or parallel_3d (it "
-            f"needs .metadata and {trainer_state_name}). Single-file checkpoints of other strategies cannot be "
+            f"needs .metadata and {TRAINER_STATE}). Single-file checkpoints of other strategies cannot be "
             "resumed here."
         )
 
@@ -113,7 +104,7 @@ def export_full_state_dict(checkpoint_dir: str | Path, output: str | Path, *, pr
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    path = Path(checkpoint_dir)
+    path = complete_checkpoint(Path(checkpoint_dir))
     check_checkpoint_dir(path)
     full: dict[str, Any] = {}
     reader = dcp.FileSystemReader(str(path))
@@ -123,5 +114,5 @@ def export_full_state_dict(checkpoint_dir: str | Path, output: str | Path, *, pr
         raise ConfigurationError(
             f"No model key of {path} starts with prefix {prefix!r}; keys look like {sorted(full['model'])[:3]}."
         )
-    torch.save(model, output)
+    save_atomically(model, Path(output))
     return sorted(model)

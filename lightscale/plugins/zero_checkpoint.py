@@ -21,6 +21,7 @@ from unittest import mock
 import torch
 from torch import Tensor
 
+from lightscale.plugins.atomic_dir import complete_checkpoint
 from lightscale.plugins.checkpoint import checkpoint_safe_globals
 
 CHECKPOINT_TAG = "checkpoint"  # the engine's tag sub-directory inside every lightscale ZeRO checkpoint
@@ -70,7 +71,7 @@ def consolidate_zero_checkpoint(checkpoint: str | os.PathLike, *, prefix: str = 
     """
     from deepspeed.utils import zero_to_fp32
 
-    directory = Path(checkpoint)
+    directory = complete_checkpoint(Path(checkpoint))
     if not (directory / CHECKPOINT_TAG).is_dir():
         raise FileNotFoundError(f"{directory} is not a ZeRO checkpoint directory (no {CHECKPOINT_TAG}/ inside).")
     with mock.patch.object(zero_to_fp32, "torch", _WeightsOnlyTorch()):

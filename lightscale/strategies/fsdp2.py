@@ -225,8 +225,8 @@ class FSDP2Strategy(LightscaleStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        load_sharded(path, self.model, self.optimizers if fitting else [])
-        return self.checkpoint_io.load_checkpoint(path / TRAINER_STATE)
+        read = load_sharded(path, self.model, self.optimizers if fitting else [])
+        return self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -41,13 +41,11 @@ from lightscale.parallel.pipeline import (
     stage_ids,
     validate_schedule,
 )
-from lightscale.plugins.distributed_checkpoint import load_sharded, save_sharded
+from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.fsdp2 import broadcast_real_tensors
 from lightscale.strategies.mesh import ParallelDims
-
-_META = {"trainer_state_name": "meta.ckpt"}  # Lightning's loop state beside the DCP shards
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -303,16 +301,16 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
-        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``meta.ckpt``; atomically."""
+        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``trainer_state.pt``; atomically."""
         path = Path(self.broadcast(str(filepath)))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint, **_META)
+        save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        load_sharded(path, self.lightning_module, self.optimizers, **_META)  # in place, into this rank's shards
-        meta = self.checkpoint_io.load_checkpoint(path / _META["trainer_state_name"])
+        read = load_sharded(path, self.lightning_module, self.optimizers)  # in place, into this rank's shards
+        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
         return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
 
     @override

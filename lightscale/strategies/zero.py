@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
@@ -220,15 +221,24 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save through the engine's sharded format: a directory with one shard file per rank."""
-        filepath = self.broadcast(str(filepath))
+        target = Path(self.broadcast(str(filepath)))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, client_state=client_state, tag=CHECKPOINT_TAG)
+        # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
+        if self.is_global_zero:
+            start_staging(target)
+        self.barrier()
+        self.engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
+        self.barrier()
+        if self.is_global_zero:
+            publish(staging_path(target), target)
+        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        path = complete_checkpoint(Path(checkpoint_path))
         _, client_state = self.engine.load_checkpoint(
-            str(checkpoint_path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
+            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
         if client_state is None:
             raise ConfigurationError(f"{checkpoint_path} is not a checkpoint directory saved by a ZeRO strategy.")

@@ -28,6 +28,6 @@ def test_resume_equals_uninterrupted(corpus_cache: str, tmp_path: Path) -> None:
     uninterrupted = run_distributed(_fit, corpus_cache, max_steps=STEPS, world_size=4, timeout_s=600)[0]
     checkpoint = tmp_path / "interrupted.ckpt"
     resumed = run_distributed(_interrupted, corpus_cache, str(checkpoint), world_size=4, timeout_s=600)[0]
-    assert checkpoint.is_dir() and (checkpoint / "meta.ckpt").is_file()
+    assert checkpoint.is_dir() and (checkpoint / "trainer_state.pt").is_file()
     assert len(list(checkpoint.glob("*.distcp"))) == 4, "one shard file per rank"
     assert resumed == uninterrupted  # same arithmetic after the restore: bit-exact
