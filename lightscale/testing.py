@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightscale.strategies.failure import EXIT_CODE
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -88,8 +90,13 @@ def _collect(results: Any, procs: list[Any], timeout_s: float) -> list[Any]:
 
 def _raise_if_died(procs: list[Any], outcome: dict[int, Any]) -> None:
     for rank, proc in enumerate(procs):
-        if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0):
+        if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0, EXIT_CODE):
             raise RankFailed(f"rank {rank} died with exit code {proc.exitcode} before reporting a result.")
+    # Ranks ended by another rank's announced failure wait for that rank's report, unless nobody is left to send it.
+    if all(not proc.is_alive() for rank, proc in enumerate(procs) if rank not in outcome):
+        raise RankFailed(
+            f"every unfinished rank ended without reporting a result (exit codes {[proc.exitcode for proc in procs]})."
+        )
 
 
 def _rank_main(

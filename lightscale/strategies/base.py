@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class LightscaleStrategy(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
             # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
             atexit.register(_destroy_process_group)
+        watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
 
     def set_world_ranks(self) -> None:
@@ -221,6 +223,10 @@ class LightscaleStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        announce_failure(self.global_rank, exception)  # the other ranks stop now, not at the collective timeout
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod

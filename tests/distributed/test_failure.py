@@ -1,0 +1,84 @@
+"""An error on one rank ends the whole run in seconds, with that rank's message, not at the collective timeout.
+
+Real processes: Lightning's own launcher starts rank 1 from rank 0, as ``python train.py`` does for a user.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+COLLECTIVE_TIMEOUT_S = 120  # the run must end long before this
+
+SCRIPT = """
+import sys
+import torch
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightscale
+from lightscale.strategies import {cls}
+
+FAULT, RANK = sys.argv[1], int(sys.argv[2])
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def training_step(self, batch, index):
+        out = self.a(batch[0])
+        if self.global_rank == RANK and index == 2:
+            if FAULT == "raise":
+                raise ValueError(f"bad batch on rank {{RANK}}")
+            return out.sum()  # FAULT == "unused": b gets no gradient on this rank only
+        return self.b(out).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+trainer = lightscale.Trainer(
+    strategy={cls}(timeout_s={timeout}), accelerator="cpu", devices=2, max_steps=6,
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
+"""
+
+
+@pytest.mark.parametrize(
+    ("cls", "fault", "rank", "message"),
+    [
+        ("BucketedDDPStrategy", "unused", 1, "received no gradient in this backward pass"),
+        ("BucketedDDPStrategy", "raise", 0, "ValueError: bad batch on rank 0"),
+        ("FSDP2Strategy", "raise", 1, "bad batch on rank 1"),
+        ("ZeroStrategy", "raise", 0, "rank 0 raised ValueError: bad batch on rank 0"),  # rank 1 names it
+    ],
+)
+def test_an_error_on_one_rank_ends_every_rank_quickly(
+    cls: str, fault: str, rank: int, message: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(cls=cls, timeout=COLLECTIVE_TIMEOUT_S))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script), fault, str(rank)],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=COLLECTIVE_TIMEOUT_S + 60,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"
