@@ -277,7 +277,7 @@ def broadcast_tensors(tensors: list[Tensor], *, src: int = 0, process_group: dis
     for tensor in tensors:
         by_kind.setdefault(_kind(tensor), []).append(tensor)
     for group in by_kind.values():
-        flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
         dist.broadcast(flat, group=process_group, group_src=src)
-        for tensor, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group), strict=True):
-            tensor.copy_(synced)
+        for tensor, synced in zip(group, flat.split([t.numel() for t in group]), strict=True):
+            tensor.copy_(synced.view_as(tensor))

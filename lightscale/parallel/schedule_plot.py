@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from lightscale.errors import ConfigurationError
 from lightscale.parallel.pipeline import default_stages_per_rank, is_single_stage, pipeline_order, stage_ids_owner
 
 F, B, I, W = (  # noqa: E741 - torch's own letters for the four kinds of work
@@ -98,7 +99,10 @@ def draw_schedule(
     name: str, *, pp: int, microbatches: int, path: str | Path, stages_per_rank: int | None = None
 ) -> Path:
     """Write a PNG of schedule ``name`` (ranks x time) to ``path``; return the path."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ConfigurationError("Drawing schedules needs matplotlib: pip install 'lightscale[plot]'.") from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

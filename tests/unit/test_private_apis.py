@@ -1,0 +1,69 @@
+"""The private APIs of torch, Lightning and DeepSpeed that lightscale relies on still exist where we use them.
+
+Private names move between releases without notice; pyproject.toml caps the versions tested, and this test fails
+naming the API (listed in docs/architecture.md, "Private APIs") when an upgrade moves one.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+PRIVATE_APIS = [
+    # (module, attribute path, who uses it)
+    ("torch._C", "_current_graph_task_id", "bucketed_ddp: one reduction per backward pass"),
+    ("torch.autograd", "Variable._execution_engine.queue_callback", "bucketed_ddp: finish after backward"),
+    ("torch.distributed.distributed_c10d", "_get_default_store", "failure watch: errors reach every rank"),
+    ("torch.distributed._composable", "checkpoint", "activation checkpointing without wrapper modules"),
+    ("torch.distributed.pipelining.schedules", "_Action", "pipeline schedule pictures and checks"),
+    ("torch.distributed.pipelining.schedules", "_ComputationType", "pipeline schedule pictures and checks"),
+    ("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops", "multi-stage schedule orders"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "lightscale export (DCP)"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "lightscale export (DCP)"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "process group with a timeout"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "Strategy.reduce"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "optimizer state placement"),
+    ("lightning.fabric.strategies.registry", "_StrategyRegistry", "registering strategy names"),
+    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "devices=N launches"),
+    ("lightning.pytorch.strategies.strategy", "_ForwardRedirection", "FSDP root hooks around training_step"),
+    ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "ZeRO: the user's optimizer"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
+    ("deepspeed.runtime.checkpoint_engine", "TorchCheckpointEngine.load", "ZeRO: weights-only loads"),
+    ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
+]
+
+
+def _resolve(module: str, path: str) -> object:
+    value: object = importlib.import_module(module)
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+@pytest.mark.parametrize(("module", "path", "used_for"), PRIVATE_APIS, ids=[f"{m}.{p}" for m, p, _ in PRIVATE_APIS])
+def test_private_api_exists(module: str, path: str, used_for: str) -> None:
+    try:
+        _resolve(module, path)
+    except (ImportError, AttributeError) as error:
+        pytest.fail(f"{module}.{path} (used for: {used_for}) moved or vanished: {error}. See docs/architecture.md.")
+
+
+def test_fit_loop_keeps_its_data_source() -> None:  # ZeRO reads the micro-batch size from it
+    from lightning.pytorch import Trainer
+
+    loop = Trainer(accelerator="cpu", devices=1, logger=False).fit_loop
+    assert hasattr(loop, "_data_source") and hasattr(loop._data_source, "is_defined")
+
+
+def test_graph_task_id_outside_backward() -> None:
+    assert torch._C._current_graph_task_id() == -1  # bucketed_ddp relies on -1 outside a backward pass
+
+
+def test_pipeline_schedules_take_scale_grads() -> None:
+    import inspect
+
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    assert "scale_grads" in inspect.signature(_PipelineSchedule.__init__).parameters  # 1/microbatches scaling
