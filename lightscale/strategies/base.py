@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.mesh import ParallelDims
@@ -174,13 +173,12 @@ class LightscaleStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # sync_batchnorm=True
+            self.model = self._layer_sync.apply(self.model)
+        # Evaluation runs the parallelized model too (sharded, pipelined), after fit and in a fresh process alike.
+        self.model = self.apply_parallelism(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self._layer_sync:  # sync_batchnorm=True
-                self.model = self._layer_sync.apply(self.model)
-            self.model = self.apply_parallelism(self.model)
             self.setup_optimizers(trainer)
-        else:
-            broadcast_module_state(self.model)  # evaluate the weights rank 0 has
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -97,6 +98,8 @@ class Parallel3DStrategy(LightscaleStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
+        self._stage_view: nn.Module | None = None  # this rank's stages under whole-model names
+        self._parallelized: LightningModule | None = None
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
         for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
@@ -150,10 +153,15 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
+        if self._parallelized is module:  # validate/test after fit: the same shards (and pipeline) again
+            if self._stage_view is not None:
+                self._network, module.model = module.model, self._stage_view
+            return module
+        self._parallelized = module
         broadcast_real_tensors(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
             self._network = module.model
-            module.model = self._build_pipeline(module, module.model)
+            module.model = self._stage_view = self._build_pipeline(module, module.model)
         else:
             # The LightningModule is the FSDP root, as under fsdp2 (same program for the same degrees).
             self._parallelize(module, module, sharding_units(module))
@@ -241,6 +249,14 @@ class Parallel3DStrategy(LightscaleStrategy):
             return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under a pipeline, batches that do not split into microbatches (an epoch's partial last batch) are
+        dropped before they reach the step, with a warning; every other batch passes through unchanged."""
+        if not self.dims.pp_enabled:
+            return dataloader
+        return SplittableBatches(dataloader, self.microbatches)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context(train=True):
             return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
@@ -304,12 +320,14 @@ class Parallel3DStrategy(LightscaleStrategy):
         Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``trainer_state.pt``; atomically."""
         path = Path(self.broadcast(str(filepath)))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+        with self._stages_in_place():
+            save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        read = load_sharded(path, self.lightning_module, self.optimizers)  # in place, into this rank's shards
+        with self._stages_in_place():
+            read = load_sharded(path, self.lightning_module, self.optimizers)  # in place, into this rank's shards
         meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
         return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
 
@@ -321,15 +339,62 @@ class Parallel3DStrategy(LightscaleStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded from the shards in load_checkpoint
 
+    @contextmanager
+    def _stages_in_place(self) -> Iterator[None]:
+        """Checkpoints hold what this rank trains: its stages (after fit ``module.model`` is the whole network
+        again, whose other layers are this rank's stale copies)."""
+        module = self.lightning_module
+        if self._stage_view is None or module is None or module.model is self._stage_view:
+            yield
+            return
+        network, module.model = module.model, self._stage_view
+        try:
+            yield
+        finally:
+            module.model = network
+
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and self._network is not None:
             module.model = self._network  # the user's network object again, not this rank's pipeline stages
             self._network = None
-        self.pipeline = None
         super().teardown()
 
 
 def _holds(stage: nn.Module, unit: nn.Module) -> bool:
     return any(module is unit for module in stage.modules())
+
+
+class SplittableBatches:
+    """Iterates ``loader``, skipping (with a warning) batches whose size does not divide into ``microbatches``."""
+
+    def __init__(self, loader: Any, microbatches: int) -> None:
+        self.loader = loader
+        self.microbatches = microbatches
+
+    def __getattr__(self, name: str) -> Any:  # Lightning reads the loader's sampler, batch_size, dataset, ...
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            size = _batch_size(batch)
+            if size is None or size % self.microbatches == 0:
+                yield batch
+                continue
+            rank_zero_warn(
+                f"parallel_3d drops a batch of {size} samples: it does not split into microbatches="
+                f"{self.microbatches} (typically an epoch's last, partial batch). Use drop_last=True or a dataset "
+                "size that divides into full batches to see every sample."
+            )
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], Tensor):
+        return batch[0].shape[0]
+    return None

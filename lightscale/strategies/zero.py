@@ -81,10 +81,12 @@ class ZeroStrategy(LightscaleStrategy):
         self.user_config = _read_config(config)
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
+        self._engine: Any = None
 
     @property
     def engine(self) -> Any:
-        return self.model
+        """DeepSpeed's engine; kept after teardown so ``trainer.save_checkpoint`` works after ``fit``."""
+        return self._engine
 
     @property
     @override
@@ -114,6 +116,9 @@ class ZeroStrategy(LightscaleStrategy):
         self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
         self._check_trainer(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting and self._engine_wraps(self.lightning_module):
+            self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
+            return
         self.config = build_config(
             self._resolved_options(trainer),
             micro_batch_size=_micro_batch_size(trainer),
@@ -122,13 +127,21 @@ class ZeroStrategy(LightscaleStrategy):
             precision=self.precision_plugin.precision,
             user_config=self.user_config,
         )
+        if not fitting and self.options.stage < 3:
+            # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain
+            # engine holds the (replicated) weights and still loads the checkpoint's module states.
+            self.config["zero_optimization"] = {"stage": 0}
         optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
-        self.model = self._initialize_engine(self.lightning_module, optimizer)
+        self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
             scheduler.scheduler.optimizer = optimizer
         self.barrier()
+
+    def _engine_wraps(self, module: LightningModule) -> bool:
+        root = getattr(self._engine, "module", None)
+        return isinstance(root, EngineRoot) and root._lightning_module[0] is module
 
     def _check_trainer(self, trainer: Trainer) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
@@ -237,6 +250,11 @@ class ZeroStrategy(LightscaleStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = complete_checkpoint(Path(checkpoint_path))
+        optimizer = self.engine.optimizer
+        if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
+            # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
+            # from the loaded weights, but DeepSpeed calls the refresh anyway.
+            optimizer._restore_from_bit16_weights = lambda: None
         _, client_state = self.engine.load_checkpoint(
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
