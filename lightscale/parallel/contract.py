@@ -83,6 +83,17 @@ def network_of(module: nn.Module) -> nn.Module:
     return model if isinstance(model, nn.Module) else module
 
 
+def data_parallel_root(module: nn.Module) -> nn.Module:
+    """The module FSDP roots at: the network child when every parameter lives in it (the step enters it once,
+    through the user's own call), else the LightningModule itself, whose steps must then enter it through
+    ``__call__`` (see :func:`enters_through_call`)."""
+    network = network_of(module)
+    if network is module:
+        return module
+    inside = {id(p) for p in network.parameters()}
+    return network if all(id(p) in inside for p in module.parameters()) else module
+
+
 def sharding_units(module: nn.Module, *, unit_classes: Sequence[str] | None = None) -> list[nn.Module]:
     """The strategy's ``unit_classes`` if given, else the module's ``sharding_units()``, else inferred."""
     network = network_of(module)

@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
-from lightscale.parallel.contract import sharding_units
+from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_tensors
 from lightscale.parallel.fsdp import materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
@@ -106,6 +106,7 @@ class FSDP2Strategy(LightscaleStrategy):
         self.compile = compile
         self.meta_init = meta_init
         self._rng_state: dict[str, torch.Tensor] | None = None
+        self._root: nn.Module | None = None  # where FSDP roots: the network child or the LightningModule
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
@@ -155,8 +156,8 @@ class FSDP2Strategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
-        """The LightningModule is the FSDP root (so parameters defined on it are sharded too); its steps run
-        through its ``__call__`` (Lightning's forward redirection) so the root's hooks gather them."""
+        """Shard the network child, or the whole LightningModule when it holds parameters of its own (its steps
+        then run through its ``__call__``, Lightning's forward redirection, so the root's hooks gather them)."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
         is_meta = any(p.is_meta for p in module.parameters())
@@ -173,30 +174,37 @@ class FSDP2Strategy(LightscaleStrategy):
             always_shard=True,
         )
         units = sharding_units(module, unit_classes=self.unit_classes)
-        parallelize_model(module, self.device_mesh, units=units, options=options)
+        self._root = data_parallel_root(module)
+        parallelize_model(self._root, self.device_mesh, units=units, options=options)
         if is_meta:
             materialize_meta_module(module, device, rng_state=self._rng_state)
         return module
 
+    def _enter_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if self._root is module:
+            return self._forward_redirection(module, module, step, *args, **kwargs)
+        return getattr(module, step)(*args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+            return self._enter_root("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+            return self._enter_root("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+            return self._enter_root("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+            return self._enter_root("predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:

@@ -30,7 +30,14 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
-from lightscale.parallel.contract import check_hooks, has_hook, network_of, sharding_units, tp_plan_of
+from lightscale.parallel.contract import (
+    check_hooks,
+    data_parallel_root,
+    has_hook,
+    network_of,
+    sharding_units,
+    tp_plan_of,
+)
 from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
@@ -100,6 +107,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
         self._stage_view: nn.Module | None = None  # this rank's stages under whole-model names
         self._parallelized: LightningModule | None = None
+        self._root: nn.Module | None = None  # where FSDP roots without a pipeline (as under fsdp2)
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
         for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
@@ -163,8 +171,9 @@ class Parallel3DStrategy(LightscaleStrategy):
             self._network = module.model
             module.model = self._stage_view = self._build_pipeline(module, module.model)
         else:
-            # The LightningModule is the FSDP root, as under fsdp2 (same program for the same degrees).
-            self._parallelize(module, module, sharding_units(module))
+            # The same root as under fsdp2 (same program for the same degrees).
+            self._root = data_parallel_root(module)
+            self._parallelize(module, self._root, sharding_units(module))
         return module
 
     def _parallelize(self, module: LightningModule, root: nn.Module, units: list[nn.Module]) -> None:
@@ -243,10 +252,10 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     def _run_step(self, name: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         with context:
-            if self.pipeline is not None:
-                return getattr(self.lightning_module, name)(*args, **kwargs)
-            # The LightningModule is the FSDP root: enter it through __call__ so its hooks gather its parameters.
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            module = self.lightning_module
+            if self._root is module:  # the FSDP root: enter it through __call__ so its hooks gather its parameters
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
