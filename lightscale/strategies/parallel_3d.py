@@ -23,8 +23,10 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -281,6 +283,16 @@ class Parallel3DStrategy(LightscaleStrategy):
             return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise ConfigurationError(
+                "predict under pipeline parallelism is not supported: each rank holds only its stages. Predict with "
+                "the exported weights (lightscale export) on one device, or with pp=1."
+            )
+        with self._step_context(train=False):
+            return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
             with self._loss_parallel():
@@ -308,6 +320,9 @@ class Parallel3DStrategy(LightscaleStrategy):
             )
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
+        elif name == "16-mixed":  # autocast, with one skip-or-step decision for all ranks (found-inf all-reduced)
+            device = self.root_device.type
+            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
         super().setup(trainer)
         # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
