@@ -62,6 +62,17 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
+def check_shardable(model: nn.Module, *, engine: str) -> None:
+    """Raise a ConfigurationError for 0-dimensional parameters, which sharding engines cut along dim 0 and refuse
+    with an unhelpful message (FSDP2: "doesn't support scalar parameters"; DeepSpeed: a view error)."""
+    scalars = [name for name, p in model.named_parameters() if p.ndim == 0]
+    if scalars:
+        raise ConfigurationError(
+            f"{engine} shards parameters along their first dimension; {scalars} are 0-dimensional. Give them shape "
+            "[1] (e.g. nn.Parameter(torch.tensor([1.5])) instead of torch.tensor(1.5)), or use bucketed_ddp."
+        )
+
+
 def infer_units(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model that names none: the children of its largest ``nn.ModuleList`` or
     ``nn.Sequential`` whose children all share one class (largest by parameter count); else no unit (the whole

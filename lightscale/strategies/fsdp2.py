@@ -36,7 +36,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_tensors
-from lightscale.parallel.fsdp import materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
@@ -160,6 +160,7 @@ class FSDP2Strategy(LightscaleStrategy):
         then run through its ``__call__``, Lightning's forward redirection, so the root's hooks gather them)."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
+        check_shardable(module, engine="FSDP2")
         is_meta = any(p.is_meta for p in module.parameters())
         device = torch.device("cpu") if self.offload else self.root_device
         if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live

@@ -40,6 +40,7 @@ from lightscale.parallel.contract import (
     sharding_units,
     tp_plan_of,
 )
+from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
@@ -168,6 +169,8 @@ class Parallel3DStrategy(LightscaleStrategy):
                 self._network, module.model = module.model, self._stage_view
             return module
         self._parallelized = module
+        if self.dims.dp_enabled:
+            check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_real_tensors(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
             self._network = module.model

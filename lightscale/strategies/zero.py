@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.fsdp import check_shardable
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
 from lightscale.strategies.base import LightscaleStrategy
@@ -116,6 +117,7 @@ class ZeroStrategy(LightscaleStrategy):
         self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
         self._check_trainer(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
         if not fitting and self._engine_wraps(self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
             return

@@ -116,3 +116,21 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
     tolerance = 1e-2 if name == "bucketed_ddp_bf16" else TOLERANCE  # bf16 on the wire: 8 bits of mantissa
     assert relative_difference(losses, single_process) <= tolerance
     assert single_process[-1] < single_process[0]  # it learned
+
+
+class ScalarParameterModule(UserModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # 0-dimensional
+
+
+def _fit_scalar(strategy: str) -> None:
+    trainer = lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, logger=False)
+    data = TensorDataset(torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    trainer.fit(ScalarParameterModule(), DataLoader(data, batch_size=4))
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "zero3", "parallel_3d"])
+def test_a_scalar_parameter_gets_a_clear_error_where_it_cannot_be_sharded(name: str) -> None:
+    with pytest.raises(RankFailed, match=r"\['temperature'\] are 0-dimensional\. Give them shape \[1\]"):
+        run_distributed(_fit_scalar, name, world_size=2)
