@@ -81,6 +81,7 @@ def train_tiny_gpt(
     resume_from: str | None = None,
     sgd_lr: float | None = None,
     local_losses: bool = False,
+    seed_per_rank: bool = False,
     **trainer_kwargs: Any,
 ) -> list[float]:
     """Fit the tiny GPT for ``max_steps`` optimizer steps on this rank; return the global loss of each step.
@@ -88,7 +89,8 @@ def train_tiny_gpt(
     ``sgd_lr`` trains with plain SGD at that rate instead of the recipe's AdamW; ``local_losses`` returns this
     rank's own losses (not reduced across ranks).
     """
-    pl.seed_everything(1234, verbose=False)
+    # seed_per_rank: each rank its own seed, so only a strategy that starts every rank from rank 0's weights matches.
+    pl.seed_everything(1234 + (dist.get_rank() if seed_per_rank and dist.is_initialized() else 0), verbose=False)
     if sgd_lr is None:
         module: GPTModule = GPTModule(config, learning_rate=3e-3, warmup_steps=3)
     else:

@@ -177,8 +177,8 @@ class FSDP2Strategy(LightscaleStrategy):
         units = sharding_units(module, unit_classes=self.unit_classes)
         self._root = data_parallel_root(module)
         parallelize_model(self._root, self.device_mesh, units=units, options=options)
-        if is_meta:
-            materialize_meta_module(module, device, rng_state=self._rng_state)
+        if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
+            materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module
 
     def _enter_root(self, step: str, *args: Any, **kwargs: Any) -> Any:

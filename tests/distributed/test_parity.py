@@ -174,3 +174,11 @@ def test_a_planted_scale_error_fails(strategy: Any, accumulate: int, corpus_cach
     config = PIPELINED if pipelined else TINY
     losses = _train(strategy, 2, 1 if pipelined else 2, corpus_cache, config=config, accumulate=accumulate)
     assert relative_difference(losses, _reference(corpus_cache, config)) > 1000 * TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp"])
+def test_meta_device_init_is_rank_zeros_whatever_each_rank_seeds(name: str, corpus_cache: str) -> None:
+    # The GPT is built on the meta device and materialized shard by shard: every rank must replay rank 0's generator.
+    ranks = RANKS.get(name, 2)
+    losses = _train(name, ranks, ranks, corpus_cache, seed_per_rank=True)
+    assert relative_difference(losses, _reference(corpus_cache)) <= TOLERANCE
