@@ -86,7 +86,7 @@ def network_of(module: nn.Module) -> nn.Module:
 def data_parallel_root(module: nn.Module) -> nn.Module:
     """The module FSDP roots at: the network child when every parameter lives in it (the step enters it once,
     through the user's own call), else the LightningModule itself, whose steps must then enter it through
-    ``__call__`` (see :func:`enters_through_call`)."""
+    ``__call__`` (Lightning's forward redirection)."""
     network = network_of(module)
     if network is module:
         return module

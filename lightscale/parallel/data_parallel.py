@@ -266,8 +266,10 @@ def _make_bucket(group: list[tuple[str, nn.Parameter]], wire_dtype: torch.dtype 
 
 
 def broadcast_module_state(module: nn.Module, *, src: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
-    """Copy parameters and buffers from rank ``src`` of the group to every rank."""
-    broadcast_tensors([*module.parameters(), *module.buffers()], src=src, process_group=process_group)
+    """Copy parameters and buffers from rank ``src`` of the group to every rank (meta tensors hold no values: skipped;
+    materialization draws them alike on every rank)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    broadcast_tensors(tensors, src=src, process_group=process_group)
 
 
 @torch.no_grad()

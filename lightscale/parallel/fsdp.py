@@ -53,12 +53,12 @@ def find_units(model: nn.Module, unit_classes: Sequence[str]) -> list[nn.Module]
     units: list[nn.Module] = []
     for module in model.modules():
         wanted = module is not model and type(module).__name__ in unit_classes
-        if wanted and not any(_contains(unit, module) for unit in units):
+        if wanted and not any(contains_module(unit, module) for unit in units):
             units.append(module)
     return units
 
 
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+def contains_module(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 

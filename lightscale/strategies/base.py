@@ -185,6 +185,14 @@ class LightscaleStrategy(ParallelStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def call_step(self, root: nn.Module | None, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``step``; through its ``__call__`` (Lightning's forward redirection) when the
+        module is itself the root of a wrapper whose forward hooks must run (FSDP gathering its parameters)."""
+        module = self.lightning_module
+        if root is module:
+            return self._forward_redirection(module, module, step, *args, **kwargs)
+        return getattr(module, step)(*args, **kwargs)
+
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         """Parallelize the single-device ``module`` for training, in place or by wrapping; return the result."""
         return module

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -35,7 +34,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
-from lightscale.parallel.data_parallel import broadcast_tensors
+from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
@@ -165,7 +164,7 @@ class FSDP2Strategy(LightscaleStrategy):
         device = torch.device("cpu") if self.offload else self.root_device
         if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
             module.to(device)
-        broadcast_real_tensors(module)  # every rank starts from rank 0's weights
+        broadcast_module_state(module)  # every rank starts from rank 0's weights
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
@@ -181,31 +180,25 @@ class FSDP2Strategy(LightscaleStrategy):
             materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module
 
-    def _enter_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        if self._root is module:
-            return self._forward_redirection(module, module, step, *args, **kwargs)
-        return getattr(module, step)(*args, **kwargs)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self._enter_root("training_step", *args, **kwargs)
+            return self.call_step(self._root, "training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._enter_root("validation_step", *args, **kwargs)
+            return self.call_step(self._root, "validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._enter_root("test_step", *args, **kwargs)
+            return self.call_step(self._root, "test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._enter_root("predict_step", *args, **kwargs)
+            return self.call_step(self._root, "predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -249,14 +242,6 @@ class FSDP2Strategy(LightscaleStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
-
-
-def broadcast_real_tensors(module: nn.Module) -> None:
-    """Copy rank 0's values of every parameter and buffer that is not on the meta device (meta ones are drawn
-    identically on every rank by materialization)."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
-    if tensors and dist.is_initialized():
-        broadcast_tensors(tensors)
 
 
 @contextmanager

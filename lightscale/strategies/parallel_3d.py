@@ -40,7 +40,8 @@ from lightscale.parallel.contract import (
     sharding_units,
     tp_plan_of,
 )
-from lightscale.parallel.fsdp import check_shardable
+from lightscale.parallel.data_parallel import broadcast_module_state
+from lightscale.parallel.fsdp import check_shardable, contains_module
 from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
@@ -55,7 +56,6 @@ from lightscale.parallel.pipeline import (
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.fsdp2 import broadcast_real_tensors
 from lightscale.strategies.mesh import ParallelDims
 
 
@@ -171,7 +171,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         self._parallelized = module
         if self.dims.dp_enabled:
             check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
-        broadcast_real_tensors(module)  # every rank starts from rank 0's weights
+        broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
             self._network = module.model
             module.model = self._stage_view = self._build_pipeline(module, module.model)
@@ -203,7 +203,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         stages = {index: prune_to(model, names[index], all_names) for index in ids}
         units = sharding_units(module)
         for stage in stages.values():
-            self._parallelize(module, stage, [unit for unit in units if _holds(stage, unit)])
+            self._parallelize(module, stage, [unit for unit in units if contains_module(stage, unit)])
         self.pipeline = build_pipeline(
             stages,
             schedule=self.schedule,
@@ -257,10 +257,7 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     def _run_step(self, name: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         with context:
-            module = self.lightning_module
-            if self._root is module:  # the FSDP root: enter it through __call__ so its hooks gather its parameters
-                return self._forward_redirection(module, module, name, *args, **kwargs)
-            return getattr(module, name)(*args, **kwargs)
+            return self.call_step(self._root, name, *args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -387,10 +384,6 @@ class Parallel3DStrategy(LightscaleStrategy):
             module.model = self._network  # the user's network object again, not this rank's pipeline stages
             self._network = None
         super().teardown()
-
-
-def _holds(stage: nn.Module, unit: nn.Module) -> bool:
-    return any(module is unit for module in stage.modules())
 
 
 class SplittableBatches:
