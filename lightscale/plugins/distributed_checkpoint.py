@@ -73,7 +73,7 @@ def save_sharded(
 def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> Path:
     """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size.
 
-    Returns the directory read (``path``, or its ``.old`` twin after a crash mid-publish): its trainer state is
+    Returns the directory read (``path``, or its previous copy after a crash mid-publish): its trainer state is
     ``returned / TRAINER_STATE``.
     """
     path = complete_checkpoint(path)

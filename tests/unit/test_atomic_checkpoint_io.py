@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightscale.plugins import atomic_dir
 from lightscale.plugins.checkpoint import SafeCheckpointIO
@@ -54,20 +56,33 @@ def test_the_temporary_file_is_renamed_within_the_target_directory(tmp_path: Pat
     assert Path(source).parent == target.parent and Path(destination) == target
 
 
-def test_a_directory_publish_killed_between_its_renames_leaves_the_old_checkpoint_readable(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("renames", "readable", "lightning_finds"),
+    [
+        (1, "step 2", {"last.old.ckpt"}),  # previous moved aside, new not yet in: no last.ckpt at all
+        (2, "step 4", {"last.ckpt", "last.old.ckpt"}),  # new in place, previous not yet deleted (both complete)
+        (3, "step 4", {"last.ckpt"}),  # previous renamed for deletion: invisible to every loader
+    ],
+)
+def test_a_directory_publish_killed_after_each_rename_leaves_a_complete_checkpoint(
+    renames: int, readable: str, lightning_finds: set[str], tmp_path: Path
+) -> None:
     target = tmp_path / "last.ckpt"
     _write_dir(atomic_dir.start_staging(target), "step 2")
     atomic_dir.publish(atomic_dir.staging_path(target), target)
     _write_dir(atomic_dir.start_staging(target), "step 4")
 
-    def publish_then_die_after_first_rename() -> None:
-        with mock.patch.object(Path, "rename", _rename_once_then_die()):
+    def publish_and_die() -> None:
+        with mock.patch.object(Path, "rename", _die_after(renames)):
             atomic_dir.publish(atomic_dir.staging_path(target), target)
 
-    _killed_while(publish_then_die_after_first_rename)
-    assert not target.exists()  # the moment with no target: loaders must find the previous one
-    assert (atomic_dir.complete_checkpoint(target) / "state").read_text() == "step 2"
-    _write_dir(atomic_dir.start_staging(target), "step 6")  # the next save finishes the job
+    _killed_while(publish_and_die)
+    assert (atomic_dir.complete_checkpoint(target) / "state").read_text() == readable
+    # Lightning's ckpt_path="last" looks for last*.ckpt: it must see only complete checkpoints, and at least one.
+    found = ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer=None)  # type: ignore[arg-type]
+    assert {Path(path).name for path in found} == lightning_finds
+    assert all((Path(path) / "state").is_file() for path in found)
+    _write_dir(atomic_dir.start_staging(target), "step 6")  # the next save clears every left-over
     atomic_dir.publish(atomic_dir.staging_path(target), target)
     assert (atomic_dir.complete_checkpoint(target) / "state").read_text() == "step 6"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
@@ -78,11 +93,14 @@ def _write_dir(directory: Path, text: str) -> None:
     (directory / "state").write_text(text)
 
 
-def _rename_once_then_die() -> Any:
+def _die_after(renames: int) -> Any:
     real = Path.rename
+    done = []
 
     def rename(self: Path, target: Any) -> None:
         real(self, target)
-        os._exit(1)
+        done.append(target)
+        if len(done) == renames:
+            os._exit(1)
 
     return rename
