@@ -1,7 +1,7 @@
 """The private APIs of torch, Lightning and DeepSpeed that lightscale relies on still exist where we use them.
 
 Private names move between releases without notice; pyproject.toml caps the versions tested, and this test fails
-naming the API (listed in docs/architecture.md, "Private APIs") when an upgrade moves one.
+naming the API (listed in docs/architecture.md, "Private APIs and versions") when an upgrade moves one.
 """
 
 from __future__ import annotations
