@@ -50,6 +50,7 @@ def announce_failure(rank: int, error: BaseException, *, grace_s: float = 5.0) -
     # The store may be gone (rank 0 died first): the error still propagates on this rank.
     with contextlib.suppress(Exception):
         store.set(FAILURE_KEY, message.encode())
+        store.add(SEEN_KEY, 1)  # this rank has read it
         deadline = time.monotonic() + grace_s
         while store.add(SEEN_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -61,22 +62,22 @@ def watch_for_failures(rank: int, *, interval_s: float = 0.5) -> None:
     if store is None or os.getpid() in _watching:
         return
     _watching.add(os.getpid())
+    _failed_here.clear()  # a forked process inherits its parent's module state, not its parent's failure
     thread = threading.Thread(target=_watch, args=(store, rank, interval_s), name="lightscale-failure-watch")
     thread.daemon = True
     thread.start()
 
 
 def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
-    while True:
-        failed_here = _failed_here.wait(interval_s)  # wakes at once when this rank announces its own error
+    while not _failed_here.wait(interval_s):  # ends at once when this rank announces its own error
         try:
-            if not failed_here and not store.check([FAILURE_KEY]):
+            if not store.check([FAILURE_KEY]):
                 continue
-            message = "" if failed_here else store.get(FAILURE_KEY).decode()
+            message = store.get(FAILURE_KEY).decode()
             store.add(SEEN_KEY, 1)  # the announcing rank may now let the store go
         except Exception:  # the store went away (normal shutdown of rank 0): nothing left to watch
             return
-        if failed_here or _failed_here.is_set():
-            return  # this rank failed (too): it is unwinding with its own traceback
+        if _failed_here.is_set():
+            return  # this rank failed too: it is unwinding with its own traceback
         print(f"lightscale: ending rank {rank} because {message}", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
