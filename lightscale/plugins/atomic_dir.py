@@ -1,9 +1,20 @@
-"""Checkpoint directories that are never half-written: write beside, then swap in with two renames.
+"""Checkpoint directories that are never half-written: write beside, then swap in with renames.
 
-A save writes everything into ``CKPT.tmp`` and then :func:`publish` renames the previous ``CKPT`` to ``CKPT.old``,
-``CKPT.tmp`` to ``CKPT``, and deletes ``CKPT.old``. A crash at any point leaves a complete checkpoint under
-``CKPT`` or, between the two renames only, under ``CKPT.old``; :func:`complete_checkpoint` is what every loader
-reads, so it finds whichever exists. A left-over ``CKPT.tmp`` is never read and is cleared by the next save.
+A save writes everything into ``last.ckpt.tmp``; then :func:`publish` renames the previous ``last.ckpt`` to
+``last.old.ckpt``, ``last.ckpt.tmp`` to ``last.ckpt``, and the previous one out of the way (``last.ckpt.trash``)
+to delete it. A crash at any point leaves a complete checkpoint under ``last.ckpt`` or, between the first two
+renames only, under ``last.old.ckpt``:
+
+* every lightscale loader reads through :func:`complete_checkpoint`, which falls back to ``last.old.ckpt`` when
+  ``last.ckpt`` is missing;
+* Lightning's ``ckpt_path="last"`` finds it too: it picks files named ``last*.ckpt``, which is why the previous
+  copy keeps the ``.ckpt`` suffix (``last.ckpt.old`` would be invisible to it and the run would restart from
+  scratch). Half-written or half-deleted directories never carry that suffix (``.tmp``, ``.trash``).
+
+Why not versioned directories behind an atomically replaced symlink (no window at all)? Lightning removes old
+checkpoints with ``fsspec``'s ``rm``, which deletes the link and leaks the directory it points to, and a copy or
+upload of ``last.ckpt`` (object stores, ``rsync`` without ``-L``) carries a dangling link. The rename-based swap
+keeps every checkpoint one plain directory, with one window that every loader handles.
 
 Example:
     >>> staging = start_staging(Path("last.ckpt"))  # rank 0, then a barrier
@@ -22,14 +33,20 @@ def staging_path(target: Path) -> Path:
 
 
 def previous_path(target: Path) -> Path:
-    return target.with_name(target.name + ".old")
+    """``last.ckpt`` -> ``last.old.ckpt``: still a ``last*.ckpt`` for Lightning's ``ckpt_path="last"``."""
+    return target.with_name(f"{target.stem}.old{target.suffix}")
+
+
+def _trash_path(target: Path) -> Path:
+    return target.with_name(target.name + ".trash")
 
 
 def start_staging(target: Path) -> Path:
     """An empty ``TARGET.tmp`` (a crashed save's left-overs removed); call on one rank."""
     staging = staging_path(target)
-    if staging.exists():
-        shutil.rmtree(staging)
+    for leftover in (staging, _trash_path(target)):
+        if leftover.exists():
+            shutil.rmtree(leftover)
     staging.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
@@ -38,17 +55,26 @@ def publish(staging: Path, target: Path) -> None:
     """Make the complete ``staging`` directory the checkpoint ``target``; call on one rank."""
     old = previous_path(target)
     if target.is_dir():
-        if old.exists():  # a crash after the first rename of an earlier publish: target is the newer one
-            shutil.rmtree(old)
+        if old.exists():  # a crash after the second rename of an earlier publish: target is the newer one
+            _delete(old, target)
         target.rename(old)
     elif target.exists():
         target.unlink()
     staging.rename(target)  # from here the new checkpoint is complete under its name
     if old.exists():
-        shutil.rmtree(old)
+        _delete(old, target)
+
+
+def _delete(directory: Path, target: Path) -> None:
+    """Rename first: a directory that is half deleted never keeps a name a loader would read."""
+    trash = _trash_path(target)
+    if trash.exists():
+        shutil.rmtree(trash)
+    directory.rename(trash)
+    shutil.rmtree(trash)
 
 
 def complete_checkpoint(target: Path) -> Path:
-    """``target``, or ``target.old`` if a save crashed between the two renames of :func:`publish`."""
+    """``target``, or its previous copy if a save crashed between the first two renames of :func:`publish`."""
     old = previous_path(target)
     return old if not target.exists() and old.is_dir() else target

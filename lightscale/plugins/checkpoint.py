@@ -1,8 +1,10 @@
-"""Checkpoint I/O that never unpickles arbitrary code.
+"""Checkpoint I/O that never unpickles arbitrary code and never leaves a half-written file.
 
-Lightning's ``TorchCheckpointIO`` already writes atomically (temporary file, then rename); lightscale's
-plugin adds the safe default for reading: ``torch.load(weights_only=True)``, with the few plain containers
-Lightning stores in a checkpoint allow-listed.
+Reads: ``torch.load(weights_only=True)``, with the few plain containers Lightning stores in a checkpoint
+allow-listed. Writes: a temporary file *beside* the target, then ``os.replace``. Lightning's ``TorchCheckpointIO``
+writes its temporary file to the system temp directory and moves it; when that is another filesystem than the
+checkpoint's (a local ``/tmp``, a network checkpoint directory: the usual cluster layout), the move is a copy
+into the target, and a crash during the copy leaves a truncated checkpoint under the final name.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
@@ -38,9 +39,17 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """Atomic saves; loads with ``weights_only=True`` unless the caller explicitly trusts the file."""
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_atomically(checkpoint, Path(path))
+
+    @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: str | os.PathLike,
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
@@ -50,10 +59,18 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 
 def save_atomically(state: dict[str, Any], output: Path) -> None:
-    """``torch.save`` to ``output.partial``, then rename: never a half-written file under the final name."""
+    """``torch.save`` to ``output.partial`` in the same directory, flushed to disk, then renamed over ``output``
+    (atomic on one filesystem): never a half-written file under the final name, even after a power loss."""
     partial = output.with_name(output.name + ".partial")
-    torch.save(state, partial)
-    os.replace(partial, output)
+    try:
+        with open(partial, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, output)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def export_single_file(checkpoint: str | os.PathLike, output: str | os.PathLike, *, prefix: str = "model.") -> int:

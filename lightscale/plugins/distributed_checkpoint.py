@@ -21,9 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -32,6 +34,7 @@ from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_
 from lightscale.plugins.checkpoint import save_atomically
 
 TRAINER_STATE = "trainer_state.pt"
+_MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -70,7 +73,7 @@ def save_sharded(
 def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> Path:
     """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size.
 
-    Returns the directory read (``path``, or its ``.old`` twin after a crash mid-publish): its trainer state is
+    Returns the directory read (``path``, or its previous copy after a crash mid-publish): its trainer state is
     ``returned / TRAINER_STATE``.
     """
     path = complete_checkpoint(path)
@@ -101,18 +104,33 @@ def export_full_state_dict(checkpoint_dir: str | Path, output: str | Path, *, pr
     Runs in one process, no process group. Keys starting with ``prefix`` (the LightningModule attribute that
     holds the model) are kept with the prefix removed; ``prefix=""`` keeps every key. Returns the keys written.
     """
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     path = complete_checkpoint(Path(checkpoint_dir))
     check_checkpoint_dir(path)
-    full: dict[str, Any] = {}
-    reader = dcp.FileSystemReader(str(path))
-    _load_state_dict(full, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    model = {k[len(prefix) :]: v for k, v in full["model"].items() if k.startswith(prefix)}
-    if not model:
-        raise ConfigurationError(
-            f"No model key of {path} starts with prefix {prefix!r}; keys look like {sorted(full['model'])[:3]}."
-        )
+    model = full_model_state_dict(path, prefix=prefix)
     save_atomically(model, Path(output))
     return sorted(model)
+
+
+def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Tensor]:
+    """The full (unsharded) model tensors of the DCP checkpoint ``path`` whose keys start with ``prefix``.
+
+    Only public DCP calls: the checkpoint's metadata gives every tensor's global shape and dtype; full-size
+    tensors are allocated for the model's keys alone and ``dcp.load(no_dist=True)`` fills them from the shards.
+    Unlike ``format_utils.dcp_to_torch_save``, this never reads the optimizer state (no memory for it) and never
+    unpickles a non-tensor entry (DCP loads those with ``weights_only=False``). ``.metadata`` itself is still read
+    with plain pickle by torch (issue 13: a restricted unpickler).
+    """
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted = {key[len(_MODEL) :]: meta for key, meta in entries.items() if key.startswith(_MODEL + prefix)}
+    if not wanted:
+        models = sorted(key[len(_MODEL) :] for key in entries if key.startswith(_MODEL))[:3]
+        raise ConfigurationError(f"No model key of {path} starts with prefix {prefix!r}; keys look like {models}.")
+    not_tensors = sorted(key for key, meta in wanted.items() if not isinstance(meta, TensorStorageMetadata))
+    if not_tensors:
+        raise ConfigurationError(
+            f"{path} holds non-tensor model entries {not_tensors[:5]}; export writes tensors only (reading them "
+            "would unpickle code). Pass a narrower prefix to leave them out."
+        )
+    full = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
+    dcp.load({"model": full}, checkpoint_id=str(path), no_dist=True)
+    return {name[len(prefix) :]: tensor for name, tensor in full.items()}

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightscale.plugins.atomic_dir import complete_checkpoint
-from lightscale.plugins.checkpoint import checkpoint_safe_globals
+from lightscale.plugins.checkpoint import checkpoint_safe_globals, save_atomically
 
 CHECKPOINT_TAG = "checkpoint"  # the engine's tag sub-directory inside every lightscale ZeRO checkpoint
 
@@ -43,7 +43,8 @@ def safe_load(path: str | os.PathLike, map_location: Any = None, *, mmap: bool =
 
 def safe_checkpoint_engine(engine_config: Any) -> Any:
     """DeepSpeed's torch checkpoint engine with weights-only loading, for an engine with ``engine_config``."""
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    # The sub-module path: DeepSpeed 0.16 does not re-export the class from its package.
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location: Any = None) -> Any:
@@ -87,8 +88,5 @@ def export_zero_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathL
     state = consolidate_zero_checkpoint(checkpoint, prefix=prefix)
     if not state:
         raise ValueError(f"No keys start with prefix {prefix!r} in {checkpoint}; pass prefix='' to keep them all.")
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
-    torch.save(state, partial)
-    os.replace(partial, output)  # never a half-written export under the final name
+    save_atomically(state, Path(output))  # never a half-written export under the final name
     return len(state)

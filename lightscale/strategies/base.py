@@ -49,6 +49,12 @@ from lightscale.strategies.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
 
+# A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
+# and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten
+# minutes is torch's NCCL default and covers a first-step compile or a large checkpoint write; raise it with
+# ``timeout_s`` for slower ones.
+DEFAULT_TIMEOUT_S = 600.0
+
 
 def _destroy_process_group() -> None:
     if dist.is_initialized():
@@ -69,7 +75,7 @@ class LightscaleStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout_s: float = 1800.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__(
             accelerator=accelerator,

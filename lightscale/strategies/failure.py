@@ -3,7 +3,9 @@
 Without this, the other ranks wait inside their next collective until its timeout (NCCL does not notice a dead
 peer; gloo does, but reports only "Connection closed by peer"). The failing rank writes its error into the
 process group's key-value store (Lightning calls ``Strategy.on_exception``); a daemon thread on every rank polls
-that key and, when another rank's error appears, prints it and ends this process.
+that key and, when another rank's error appears, prints it and ends this process. The failing rank waits (a few
+seconds at most) until every watcher has read the message, because the store may live in its own process: rank 0
+hosts it under Lightning's launcher, and a store that dies with rank 0 would take the message with it.
 
 Example:
     >>> watch_for_failures(rank)          # once per process, after the process group exists
@@ -16,12 +18,16 @@ import contextlib
 import os
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
 FAILURE_KEY = "lightscale/failure"
+SEEN_KEY = "lightscale/failure_seen"  # how many watchers have read FAILURE_KEY
 EXIT_CODE = 75  # "ended because another rank failed": tells a harness this is not the root cause
+_MAX_MESSAGE = 2000  # characters of the error kept in the store (an exception may print a whole tensor)
 _watching: set[int] = set()
+_failed_here = threading.Event()  # this rank announced its own error: its watcher must not end it
 
 
 def _store() -> dist.Store | None:
@@ -31,14 +37,23 @@ def _store() -> dist.Store | None:
         return None
 
 
-def announce_failure(rank: int, error: BaseException) -> None:
-    """Publish ``rank``'s error so every other rank stops (best effort: never masks the error itself)."""
+def announce_failure(rank: int, error: BaseException, *, grace_s: float = 5.0) -> None:
+    """Publish ``rank``'s error so every other rank stops (best effort: never masks the error itself).
+
+    Returns once every rank's watcher has read it, or after ``grace_s`` (a rank that is already gone never reads).
+    """
+    _failed_here.set()
     store = _store()
     if store is None:
         return
+    message = f"rank {rank} raised {type(error).__name__}: {error}"[:_MAX_MESSAGE]
     # The store may be gone (rank 0 died first): the error still propagates on this rank.
     with contextlib.suppress(Exception):
-        store.set(FAILURE_KEY, f"rank {rank} raised {type(error).__name__}: {error}".encode())
+        store.set(FAILURE_KEY, message.encode())
+        store.add(SEEN_KEY, 1)  # this rank has read it
+        deadline = time.monotonic() + grace_s
+        while store.add(SEEN_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def watch_for_failures(rank: int, *, interval_s: float = 0.5) -> None:
@@ -47,21 +62,22 @@ def watch_for_failures(rank: int, *, interval_s: float = 0.5) -> None:
     if store is None or os.getpid() in _watching:
         return
     _watching.add(os.getpid())
+    _failed_here.clear()  # a forked process inherits its parent's module state, not its parent's failure
     thread = threading.Thread(target=_watch, args=(store, rank, interval_s), name="lightscale-failure-watch")
     thread.daemon = True
     thread.start()
 
 
 def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
-    stop = threading.Event()
-    while not stop.wait(interval_s):
+    while not _failed_here.wait(interval_s):  # ends at once when this rank announces its own error
         try:
             if not store.check([FAILURE_KEY]):
                 continue
             message = store.get(FAILURE_KEY).decode()
+            store.add(SEEN_KEY, 1)  # the announcing rank may now let the store go
         except Exception:  # the store went away (normal shutdown of rank 0): nothing left to watch
             return
-        if message.startswith(f"rank {rank} "):
-            return  # our own failure: this rank is already unwinding with the real traceback
+        if _failed_here.is_set():
+            return  # this rank failed too: it is unwinding with its own traceback
         print(f"lightscale: ending rank {rank} because {message}", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)

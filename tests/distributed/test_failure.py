@@ -15,9 +15,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 COLLECTIVE_TIMEOUT_S = 120  # the run must end long before this
+ENDS_WITHIN_S = 30  # from the error to the end of the last process
 
 SCRIPT = """
 import sys
+import time
 import torch
 import lightning.pytorch as pl
 from torch import nn
@@ -37,6 +39,8 @@ class Model(pl.LightningModule):
     def training_step(self, batch, index):
         out = self.a(batch[0])
         if self.global_rank == RANK and index == 2:
+            with open("raised_at", "w") as f:  # the test times the end from here, not from a loaded start-up
+                f.write(str(time.time()))
             if FAULT == "raise":
                 raise ValueError(f"bad batch on rank {{RANK}}")
             return out.sum()  # FAULT == "unused": b gets no gradient on this rank only
@@ -57,9 +61,9 @@ trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
 @pytest.mark.parametrize(
     ("cls", "fault", "rank", "message"),
     [
-        ("BucketedDDPStrategy", "unused", 1, "received no gradient in this backward pass"),
+        ("BucketedDDPStrategy", "unused", 1, "RuntimeError: bucketed_ddp: 2 parameter(s) received no gradient"),
         ("BucketedDDPStrategy", "raise", 0, "ValueError: bad batch on rank 0"),
-        ("FSDP2Strategy", "raise", 1, "bad batch on rank 1"),
+        ("FSDP2Strategy", "raise", 1, "ValueError: bad batch on rank 1"),
         ("ZeroStrategy", "raise", 0, "ValueError: bad batch on rank 0"),
     ],
 )
@@ -69,16 +73,16 @@ def test_an_error_on_one_rank_ends_every_rank_quickly(
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(cls=cls, timeout=COLLECTIVE_TIMEOUT_S))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    start = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(script), fault, str(rank)],
         cwd=tmp_path,
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=COLLECTIVE_TIMEOUT_S + 60,
+        timeout=COLLECTIVE_TIMEOUT_S * 3,  # start-up on a loaded machine is slow; the bound that matters is below
     )
-    elapsed = time.monotonic() - start
+    elapsed = time.time() - float((tmp_path / "raised_at").read_text())
     assert result.returncode != 0
-    assert message in result.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s"
+    other = 1 - rank  # the rank that did not fail says which one did, and why
+    assert f"lightscale: ending rank {other} because rank {rank} raised {message}" in result.stderr, result.stderr
+    assert elapsed < ENDS_WITHIN_S, f"took {elapsed:.0f} s from the error (collective timeout {COLLECTIVE_TIMEOUT_S} s)"

@@ -1,7 +1,7 @@
 """The private APIs of torch, Lightning and DeepSpeed that lightscale relies on still exist where we use them.
 
 Private names move between releases without notice; pyproject.toml caps the versions tested, and this test fails
-naming the API (listed in docs/architecture.md, "Private APIs") when an upgrade moves one.
+naming the API (listed in docs/architecture.md, "Private APIs and versions") when an upgrade moves one.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ PRIVATE_APIS = [
     ("torch.distributed.pipelining.schedules", "_Action", "pipeline schedule pictures and checks"),
     ("torch.distributed.pipelining.schedules", "_ComputationType", "pipeline schedule pictures and checks"),
     ("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops", "multi-stage schedule orders"),
-    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "lightscale export (DCP)"),
-    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "lightscale export (DCP)"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule", "pipeline schedule types"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu.default", "selective activation checkpointing"),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention.default", "selective activation checkpointing"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention.default", "selective activation checkpointing"),
     ("lightning.fabric.utilities.distributed", "_init_dist_connection", "process group with a timeout"),
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "Strategy.reduce"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "optimizer state placement"),
@@ -30,7 +32,7 @@ PRIVATE_APIS = [
     ("lightning.pytorch.strategies.strategy", "_ForwardRedirection", "FSDP root hooks around training_step"),
     ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "ZeRO: the user's optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
-    ("deepspeed.runtime.checkpoint_engine", "TorchCheckpointEngine.load", "ZeRO: weights-only loads"),
+    ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
     ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
 ]
 
@@ -48,6 +50,33 @@ def test_private_api_exists(module: str, path: str, used_for: str) -> None:
         _resolve(module, path)
     except (ImportError, AttributeError) as error:
         pytest.fail(f"{module}.{path} (used for: {used_for}) moved or vanished: {error}. See docs/architecture.md.")
+
+
+def test_lightning_strategies_redirect_forward() -> None:  # FSDP roots enter training_step through it
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    assert callable(SingleDeviceStrategy("cpu")._forward_redirection), "Strategy._forward_redirection moved"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "used_for"),
+    [
+        ("self._config", "ZeRO: its checkpoint engine is rebuilt weights-only from engine._config"),
+        ("self.optimizer._restore_from_bit16_weights()", "ZeRO-3 evaluation stubs it on the offload stand-in"),
+    ],
+)
+def test_deepspeed_engine_internals(pattern: str, used_for: str) -> None:
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert pattern in inspect.getsource(DeepSpeedEngine), f"DeepSpeedEngine no longer uses {pattern} ({used_for})"
+
+
+def test_zero_to_fp32_loads_through_its_torch_global() -> None:  # export swaps that global for weights-only loads
+    from deepspeed.utils import zero_to_fp32
+
+    assert zero_to_fp32.torch is torch, "deepspeed.utils.zero_to_fp32.torch moved: export would load unsafely"
 
 
 def test_fit_loop_keeps_its_data_source() -> None:  # ZeRO reads the micro-batch size from it
