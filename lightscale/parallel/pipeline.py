@@ -204,6 +204,20 @@ def _shell_path(root: nn.Module, path: str) -> nn.Module:
     return parent
 
 
+class MicrobatchLoss:
+    """The schedule's loss function: the module's ``loss_fn`` per microbatch, multiplied by the loss scale while a
+    step sets one (the schedule runs backward from this value inside the step, so this is the only place an fp16
+    loss scaler can scale what backward sees)."""
+
+    def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.scale: Callable[[Tensor], Tensor] | None = None
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        loss = self.loss_fn(output, target)
+        return loss if self.scale is None else self.scale(loss)
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them; ``run`` returns the batch loss on every rank.
 
@@ -216,30 +230,42 @@ class Pipeline:
         stages: list[PipelineStage],
         schedule: _PipelineSchedule,
         *,
+        loss: MicrobatchLoss,
         pp_group: dist.ProcessGroup,
         last_stage_owner: int,
         microbatches: int,
     ) -> None:
         self.stages = stages
         self.schedule = schedule
+        self.loss = loss
         self.pp_group = pp_group
         self.last_stage_owner = dist.get_global_rank(pp_group, last_stage_owner)
         self.microbatches = microbatches
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
 
-    def run(self, inputs: Tensor, targets: Tensor, *, train: bool) -> Tensor:
+    def run(
+        self, inputs: Tensor, targets: Tensor, *, train: bool, loss_scale: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """One batch through the schedule (forward and backward when ``train``); the mean microbatch loss,
+        unscaled. ``loss_scale`` (e.g. ``GradScaler.scale``) multiplies each microbatch loss before its backward."""
         check_microbatch_split(inputs.shape[0], self.microbatches)
         losses: list[Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        if train:
-            self.schedule.step(*args, **kwargs, return_outputs=False)
-        else:
-            with torch.no_grad():
-                self.schedule.eval(*args, **kwargs)
+        self.loss.scale = loss_scale if train else None
+        try:
+            if train:
+                self.schedule.step(*args, **kwargs, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self.schedule.eval(*args, **kwargs)
+        finally:
+            self.loss.scale = None
         loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
         loss = loss.to(inputs.device)
+        if self.has_last and train and loss_scale is not None:
+            loss = loss / loss_scale(torch.ones((), device=loss.device))  # exact: loss scales are powers of 2
         dist.broadcast(loss, src=self.last_stage_owner, group=self.pp_group)
         return loss
 
@@ -259,10 +285,11 @@ def build_pipeline(
         PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stage_modules.items()
     ]
     cls = schedule_class(schedule)
-    runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn)
+    loss = MicrobatchLoss(loss_fn)
+    runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss)
     pp = dist.get_world_size(pp_group)
     owner = stage_ids_owner(num_stages - 1, pp, v_shape=schedule == "zbv")
-    return Pipeline(stages, runner, pp_group=pp_group, last_stage_owner=owner, microbatches=microbatches)
+    return Pipeline(stages, runner, loss=loss, pp_group=pp_group, last_stage_owner=owner, microbatches=microbatches)
 
 
 def stage_ids_owner(stage: int, pp: int, *, v_shape: bool) -> int:

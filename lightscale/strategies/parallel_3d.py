@@ -242,7 +242,9 @@ class Parallel3DStrategy(LightscaleStrategy):
             held = [p.grad for p in params]  # earlier micro-steps' gradients (or stale ones zero_grad will clear)
             for param in params:
                 param.grad = None
-            loss = pipeline.run(inputs, targets, train=True)
+            # The schedule runs backward here, so an fp16 loss scaler must scale each microbatch loss inside it.
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            loss = pipeline.run(inputs, targets, train=True, loss_scale=scaler.scale if scaler is not None else None)
             # Lightning calls zero_grad between training_step and backward: keep this step's gradients aside.
             self._stashed_grads = [(p, p.grad) for p in params if p.grad is not None]
             for param, grad in zip(params, held, strict=True):
@@ -315,15 +317,9 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         name = precision_name(self.precision_plugin)
-        if self.dims.pp_enabled and name == "16-mixed":
-            raise ConfigurationError(
-                "precision='16-mixed' with pipeline parallelism (pp > 1) is refused: the schedule runs backward "
-                "inside training_step, before Lightning's loss scaler could scale it. Use 'bf16-mixed' (no loss "
-                "scaling needed) or pp=1."
-            )
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
-        elif name == "16-mixed":  # autocast, with one skip-or-step decision for all ranks (found-inf all-reduced)
+        elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
             device = self.root_device.type
             self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
         super().setup(trainer)
