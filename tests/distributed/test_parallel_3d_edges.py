@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightscale
+from lightscale.strategies import Parallel3DStrategy
 from lightscale.testing import run_distributed
 
 PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)
@@ -97,30 +98,68 @@ def test_bf16_mixed_under_a_pipeline_matches_one_process(corpus_cache: str) -> N
     assert relative_difference(pp2, one) <= 5e-3
 
 
-def _fit_with_partial_last_batch() -> tuple[int, list[str]]:
-    pl.seed_everything(0, verbose=False)
-    tokens = torch.randint(0, PIPELINED.vocab_size, (21, PIPELINED.block_size + 1))
-    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # 21 samples: batches of 8, 8 and 5
-    trainer = lightscale.Trainer(
-        strategy="pp2",
+def _partial_batches(samples: int) -> DataLoader:
+    tokens = torch.randint(0, PIPELINED.vocab_size, (samples, PIPELINED.block_size + 1), generator=_seeded())
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+def _seeded() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _trainer(strategy: str, devices: int) -> pl.Trainer:
+    return lightscale.Trainer(
+        strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
+
+
+def _fit_with_a_partial_last_batch() -> tuple[int, list[str]]:
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer("pp2", 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(SGDGPTModule(PIPELINED), DataLoader(data, batch_size=8))
+        trainer.fit(SGDGPTModule(PIPELINED), _partial_batches(20))  # batches of 8, 8 and 4
     return trainer.global_step, [str(w.message) for w in caught if "parallel_3d drops" in str(w.message)]
 
 
-def test_a_partial_last_batch_is_dropped_with_a_warning_not_a_crash() -> None:
-    (steps, warned), _ = run_distributed(_fit_with_partial_last_batch, world_size=2)
-    assert steps == 2  # the two full batches trained; the 5-sample batch cannot split into 2 microbatches
-    assert warned and "batch of 5 samples" in warned[0] and "microbatches=2" in warned[0]
+def test_a_partial_last_training_batch_is_dropped_with_a_warning_not_a_crash() -> None:
+    (steps, warned), _ = run_distributed(_fit_with_a_partial_last_batch, world_size=2)
+    # The 4 samples would split into 2 microbatches, but torch's stages run the shape of their first step: the
+    # batch is dropped, with a warning naming both sizes, instead of running on mis-shaped receive buffers.
+    assert steps == 2
+    assert warned and "training batch of 4 samples" in warned[0] and "batches of 8" in warned[0]
+
+
+class PredictingGPT(SGDGPTModule):
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+
+def _evaluate_partial_batches(schedule: str | None) -> tuple[float, Tensor]:
+    pl.seed_everything(0, verbose=False)
+    module = PredictingGPT(PIPELINED)
+    trainer = _trainer(Parallel3DStrategy(pp=2, schedule=schedule) if schedule else "auto", 2 if schedule else 1)
+    # 21 samples: batches of 8, 8 and 5 (5 does not split into 2 microbatches).
+    metric = trainer.validate(module, _partial_batches(21), verbose=False)[0]["val/loss"]
+    return metric, torch.cat(trainer.predict(module, _partial_batches(21)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
+def test_evaluation_counts_a_partial_last_batch_as_one_process_does(schedule: str) -> None:
+    (metric, predicted), _ = run_distributed(_evaluate_partial_batches, schedule, world_size=2)
+    one_metric, one_predicted = run_distributed(_evaluate_partial_batches, None, world_size=1)[0]
+    # The 5 are padded to 8 and the padding's outputs cut off before the loss (zbv, whose forward-only schedule
+    # torch cannot run, evaluates stage by stage on the whole batch instead).
+    assert metric == pytest.approx(one_metric, rel=1e-6)
+    torch.testing.assert_close(predicted, one_predicted, rtol=1e-5, atol=1e-5)
 
 
 def test_fp16_under_tensor_parallel_matches_one_process_and_skips_steps_together(corpus_cache: str) -> None:
