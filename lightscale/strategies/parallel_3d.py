@@ -11,7 +11,7 @@ schedule runs forward *and* backward of every microbatch when the module's ``tra
 broadcast from the last stage, on every rank, so ``self.log`` works unchanged. The gradients are set aside before
 Lightning's ``zero_grad`` and put back in ``backward`` (scaled for gradient accumulation), where Lightning's
 backward hooks still run. Clipping (by norm, over dp x tp x pp), LR schedulers and optimizer steps are Lightning's.
-Validation runs the schedule forward-only.
+Validation, test and predict run a forward-only schedule of their own (lightscale/parallel/pipeline_runtime.py).
 """
 
 from __future__ import annotations
