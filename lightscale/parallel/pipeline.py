@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
+from torch import nn
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     _Action,
@@ -202,67 +199,6 @@ def _shell_path(root: nn.Module, path: str) -> nn.Module:
         parent._modules[atom] = child
         parent = child
     return parent
-
-
-class Pipeline:
-    """This rank's stages and the schedule that runs them; ``run`` returns the batch loss on every rank.
-
-    The loss is computed on the last stage by ``loss_fn`` per microbatch, averaged over microbatches (torch
-    scales gradients by 1/microbatches to match) and broadcast over the pipeline group.
-    """
-
-    def __init__(
-        self,
-        stages: list[PipelineStage],
-        schedule: _PipelineSchedule,
-        *,
-        pp_group: dist.ProcessGroup,
-        last_stage_owner: int,
-        microbatches: int,
-    ) -> None:
-        self.stages = stages
-        self.schedule = schedule
-        self.pp_group = pp_group
-        self.last_stage_owner = dist.get_global_rank(pp_group, last_stage_owner)
-        self.microbatches = microbatches
-        self.has_first = any(stage.is_first for stage in stages)
-        self.has_last = any(stage.is_last for stage in stages)
-
-    def run(self, inputs: Tensor, targets: Tensor, *, train: bool) -> Tensor:
-        check_microbatch_split(inputs.shape[0], self.microbatches)
-        losses: list[Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        if train:
-            self.schedule.step(*args, **kwargs, return_outputs=False)
-        else:
-            with torch.no_grad():
-                self.schedule.eval(*args, **kwargs)
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
-        loss = loss.to(inputs.device)
-        dist.broadcast(loss, src=self.last_stage_owner, group=self.pp_group)
-        return loss
-
-
-def build_pipeline(
-    stage_modules: dict[int, nn.Module],
-    *,
-    schedule: str,
-    num_stages: int,
-    microbatches: int,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    pp_group: dist.ProcessGroup,
-    device: torch.device,
-) -> Pipeline:
-    """PipelineStages for this rank's ``{stage index: module}`` and the named schedule over them."""
-    stages = [
-        PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stage_modules.items()
-    ]
-    cls = schedule_class(schedule)
-    runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn)
-    pp = dist.get_world_size(pp_group)
-    owner = stage_ids_owner(num_stages - 1, pp, v_shape=schedule == "zbv")
-    return Pipeline(stages, runner, pp_group=pp_group, last_stage_owner=owner, microbatches=microbatches)
 
 
 def stage_ids_owner(stage: int, pp: int, *, v_shape: bool) -> int:

@@ -11,7 +11,7 @@ schedule runs forward *and* backward of every microbatch when the module's ``tra
 broadcast from the last stage, on every rank, so ``self.log`` works unchanged. The gradients are set aside before
 Lightning's ``zero_grad`` and put back in ``backward`` (scaled for gradient accumulation), where Lightning's
 backward hooks still run. Clipping (by norm, over dp x tp x pp), LR schedulers and optimizer steps are Lightning's.
-Validation runs the schedule forward-only.
+Validation, test and predict run a forward-only schedule of their own (lightscale/parallel/pipeline_runtime.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -45,14 +48,14 @@ from lightscale.parallel.fsdp import check_shardable, contains_module
 from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
-    Pipeline,
-    build_pipeline,
     default_stages_per_rank,
     prune_to,
     schedule_class,
     stage_ids,
+    stage_ids_owner,
     validate_schedule,
 )
+from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
@@ -204,7 +207,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         units = sharding_units(module)
         for stage in stages.values():
             self._parallelize(module, stage, [unit for unit in units if contains_module(stage, unit)])
-        self.pipeline = build_pipeline(
+        self.pipeline = Pipeline(
             stages,
             schedule=self.schedule,
             num_stages=self.num_stages,
@@ -237,12 +240,14 @@ class Parallel3DStrategy(LightscaleStrategy):
         def pipelined_loss(batch: tuple[Tensor, Tensor]) -> Tensor:
             inputs, targets = batch
             if not train:
-                return pipeline.run(inputs, targets, train=False)
+                return pipeline.evaluate(inputs, targets)
             params = list(module.parameters())
             held = [p.grad for p in params]  # earlier micro-steps' gradients (or stale ones zero_grad will clear)
             for param in params:
                 param.grad = None
-            loss = pipeline.run(inputs, targets, train=True)
+            # The schedule runs backward here, so an fp16 loss scaler must scale each microbatch loss inside it.
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            loss = pipeline.step(inputs, targets, loss_scale=scaler.scale if scaler is not None else None)
             # Lightning calls zero_grad between training_step and backward: keep this step's gradients aside.
             self._stashed_grads = [(p, p.grad) for p in params if p.grad is not None]
             for param, grad in zip(params, held, strict=True):
@@ -261,11 +266,12 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Under a pipeline, batches that do not split into microbatches (an epoch's partial last batch) are
-        dropped before they reach the step, with a warning; every other batch passes through unchanged."""
-        if not self.dims.pp_enabled:
+        """Under a pipeline, training batches of another size than the first (an epoch's partial last batch) are
+        dropped before they reach the step, with a warning: torch's stages run one shape. Evaluation and predict
+        take any batch (see lightscale/parallel/pipeline_runtime.py)."""
+        if not self.dims.pp_enabled or not self.lightning_module.trainer.training:
             return dataloader
-        return SplittableBatches(dataloader, self.microbatches)
+        return SplittableBatches(dataloader, self)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,13 +290,24 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            raise ConfigurationError(
-                "predict under pipeline parallelism is not supported: each rank holds only its stages. Predict with "
-                "the exported weights (lightscale export) on one device, or with pp=1."
-            )
-        with self._step_context(train=False):
-            return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+        """Predictions as one process gives them, on every rank: DTensors gathered whole, and under a pipeline the
+        module's call of its network (``module.model(inputs)``) runs the schedule forward-only (see
+        :meth:`Pipeline.forward`)."""
+        with self._step_context(train=False), self._serve_pipeline_network():
+            output = self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+        return apply_to_collection(output, DTensor, DTensor.full_tensor)
+
+    @contextmanager
+    def _serve_pipeline_network(self) -> Iterator[None]:
+        module = self.lightning_module
+        if self.pipeline is None or module is None:
+            yield
+            return
+        stages, module.model = module.model, PipelinedNetwork(self.pipeline)
+        try:
+            yield
+        finally:
+            module.model = stages
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -312,15 +329,9 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         name = precision_name(self.precision_plugin)
-        if self.dims.pp_enabled and name == "16-mixed":
-            raise ConfigurationError(
-                "precision='16-mixed' with pipeline parallelism (pp > 1) is refused: the schedule runs backward "
-                "inside training_step, before Lightning's loss scaler could scale it. Use 'bf16-mixed' (no loss "
-                "scaling needed) or pp=1."
-            )
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
-        elif name == "16-mixed":  # autocast, with one skip-or-step decision for all ranks (found-inf all-reduced)
+        elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
             device = self.root_device.type
             self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
         super().setup(trainer)
@@ -381,17 +392,33 @@ class Parallel3DStrategy(LightscaleStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and self._network is not None:
+            trainer = module._trainer
+            if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # no collectives on errors
+                self._share_stage_weights(self._network)
             module.model = self._network  # the user's network object again, not this rank's pipeline stages
             self._network = None
         super().teardown()
 
+    def _share_stage_weights(self, network: nn.Module) -> None:
+        """Every rank's network gets the weights of the stages other ranks ran (its own copies of those layers
+        were never trained or loaded), so the whole network the user gets back holds the trained weights."""
+        module = self.lightning_module
+        v_shape = self.schedule == "zbv"
+        share_stage_weights(
+            network,
+            module.pipeline_stages(self.num_stages),
+            owner_of=lambda stage: stage_ids_owner(stage, self.pp, v_shape=v_shape),
+            pp_group=self.device_mesh["pp"].get_group(),
+        )
+
 
 class SplittableBatches:
-    """Iterates ``loader``, skipping (with a warning) batches whose size does not divide into ``microbatches``."""
+    """Iterates ``loader``, dropping (with a warning) batches of another size than the pipeline trains on: the size
+    it already trained on, else the loader's ``batch_size``, else the first batch's."""
 
-    def __init__(self, loader: Any, microbatches: int) -> None:
+    def __init__(self, loader: Any, strategy: Parallel3DStrategy) -> None:
         self.loader = loader
-        self.microbatches = microbatches
+        self.strategy = strategy
 
     def __getattr__(self, name: str) -> Any:  # Lightning reads the loader's sampler, batch_size, dataset, ...
         return getattr(self.loader, name)
@@ -400,15 +427,21 @@ class SplittableBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        pipeline = self.strategy.pipeline
+        expected = pipeline.train_batch_size if pipeline is not None else None
+        expected = expected or getattr(self.loader, "batch_size", None)
         for batch in self.loader:
             size = _batch_size(batch)
-            if size is None or size % self.microbatches == 0:
+            if expected is None:
+                expected = size
+            if size is None or size == expected:
                 yield batch
                 continue
             rank_zero_warn(
-                f"parallel_3d drops a batch of {size} samples: it does not split into microbatches="
-                f"{self.microbatches} (typically an epoch's last, partial batch). Use drop_last=True or a dataset "
-                "size that divides into full batches to see every sample."
+                f"parallel_3d drops a training batch of {size} samples: the pipeline runs batches of {expected} "
+                f"(microbatches={self.strategy.microbatches}; torch's pipeline stages run one shape), typically an "
+                "epoch's last, partial batch. Use drop_last=True, or a dataset size that divides into full batches, "
+                "to train on every sample."
             )
 
 
