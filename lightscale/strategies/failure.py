@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -28,6 +29,7 @@ EXIT_CODE = 75  # "ended because another rank failed": tells a harness this is n
 _MAX_MESSAGE = 2000  # characters of the error kept in the store (an exception may print a whole tensor)
 _watching: set[int] = set()
 _failed_here = threading.Event()  # this rank announced its own error: its watcher must not end it
+_exiting = threading.Event()  # the interpreter is shutting down: the watcher must return first
 
 
 def _store() -> dist.Store | None:
@@ -63,13 +65,22 @@ def watch_for_failures(rank: int, *, interval_s: float = 0.5) -> None:
         return
     _watching.add(os.getpid())
     _failed_here.clear()  # a forked process inherits its parent's module state, not its parent's failure
+    _exiting.clear()
     thread = threading.Thread(target=_watch, args=(store, rank, interval_s), name="lightscale-failure-watch")
     thread.daemon = True
     thread.start()
+    # A daemon thread still inside a store call when the interpreter finalizes is killed mid-C++ (pthread_exit
+    # unwinding through noexcept destructors: SIGABRT at a clean exit). Stop and join it before that.
+    atexit.register(_stop_watching, thread, interval_s)
+
+
+def _stop_watching(thread: threading.Thread, interval_s: float) -> None:
+    _exiting.set()
+    thread.join(timeout=interval_s + 5.0)
 
 
 def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
-    while not _failed_here.wait(interval_s):  # ends at once when this rank announces its own error
+    while not _exiting.wait(interval_s) and not _failed_here.is_set():  # its own error: this rank is unwinding
         try:
             if not store.check([FAILURE_KEY]):
                 continue

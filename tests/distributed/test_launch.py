@@ -21,8 +21,15 @@ def _run(command: list[str], cwd: Path, cache: str) -> subprocess.CompletedProce
         env.pop(var, None)
     # 900 s: on a fresh environment the first ZeRO-offload run JIT-builds DeepSpeed's CPU Adam.
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, _failure_report(result)
     return result
+
+
+def _failure_report(result: subprocess.CompletedProcess) -> str:
+    """Each rank's own error lines first: torchrun's summary at the end of stderr names only the signal."""
+    markers = ("Error", "Traceback", "terminate", "abort", "Signal", "lightscale: ending")
+    errors = [line for line in result.stderr.splitlines() if any(marker in line for marker in markers)]
+    return "\n".join(errors[:80]) + "\n--- stdout tail ---\n" + result.stdout[-2000:]
 
 
 def test_cli_launches_its_own_ranks(tmp_path: Path, corpus_cache: str) -> None:
