@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
+from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
 
 TRAINER_STATE = "trainer_state.pt"
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
@@ -82,7 +83,7 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optimizer"] = optim_state
-    dcp.load(state, checkpoint_id=str(path))
+    load_safely(state, path)
     set_state_dict(
         model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}), options=_FLAT
     )
@@ -117,10 +118,9 @@ def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Te
     Only public DCP calls: the checkpoint's metadata gives every tensor's global shape and dtype; full-size
     tensors are allocated for the model's keys alone and ``dcp.load(no_dist=True)`` fills them from the shards.
     Unlike ``format_utils.dcp_to_torch_save``, this never reads the optimizer state (no memory for it) and never
-    unpickles a non-tensor entry (DCP loads those with ``weights_only=False``). ``.metadata`` itself is still read
-    with plain pickle by torch (issue 13: a restricted unpickler).
+    unpickles a non-tensor entry; ``.metadata`` is read by lightscale/plugins/safe_dcp.py's restricted unpickler.
     """
-    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted = {key[len(_MODEL) :]: meta for key, meta in entries.items() if key.startswith(_MODEL + prefix)}
     if not wanted:
         models = sorted(key[len(_MODEL) :] for key in entries if key.startswith(_MODEL))[:3]
@@ -132,5 +132,5 @@ def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Te
             "would unpickle code). Pass a narrower prefix to leave them out."
         )
     full = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
-    dcp.load({"model": full}, checkpoint_id=str(path), no_dist=True)
+    load_safely({"model": full}, path, no_dist=True)
     return {name[len(prefix) :]: tensor for name, tensor in full.items()}
