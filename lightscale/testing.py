@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -23,8 +24,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightscale.strategies.failure import EXIT_CODE
 
@@ -134,3 +137,16 @@ def _rank_main(
         results.close()
         results.join_thread()
         os._exit(0)  # skip the parent's atexit handlers (pytest's among them)
+
+
+class KillOnce(pl.Callback):
+    """SIGKILL ``rank`` after optimizer step ``step`` of torchrun's first attempt only (a fault to restart from)."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -46,6 +46,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.restart import restart_safe_store
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,9 @@ class LightscaleStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         if not dist.is_initialized():
-            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+            store = restart_safe_store(self._timeout)
+            kwargs = {"store": store} if store is not None else {}
+            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
             # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
