@@ -33,7 +33,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -45,8 +44,8 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
-from lightscale.strategies.restart import restart_safe_store
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ class LightscaleStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -160,6 +159,7 @@ class LightscaleStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
         if not dist.is_initialized():
             store = restart_safe_store(self._timeout)
             kwargs = {"store": store} if store is not None else {}

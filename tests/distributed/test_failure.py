@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,39 @@ def test_a_clean_exit_with_a_watcher_running_never_aborts(tmp_path: Path) -> Non
             timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_ranks_end_when_their_launcher_dies_during_start_up(tmp_path: Path, corpus_cache: str) -> None:
+    # Lightning's launcher: rank 0 starts rank 1. Rank 0 is killed as soon as rank 1 exists, before the process
+    # group does; rank 1 would otherwise wait for rank 0's store until the collective timeout.
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lightscale.cli", "fit", "--config", "gpt/tiny_ddp.yaml"],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1", "LIGHTSCALE_CACHE": corpus_cache},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: list[psutil.Process] = []
+    deadline = time.monotonic() + 120
+    while not children and time.monotonic() < deadline:
+        children = [child for child in psutil.Process(launcher.pid).children() if _is_rank(child)]
+        time.sleep(0.01)
+    launcher.kill()
+    launcher.wait()
+    assert children, "rank 0 never started rank 1"
+    _, alive = psutil.wait_procs(children, timeout=60)
+    for process in alive:
+        process.kill()
+    assert not alive, "a rank outlived its launcher by 60 s"
+
+
+def _is_rank(process: Any) -> bool:
+    import psutil
+
+    try:
+        return "lightscale.cli" in process.cmdline()
+    except psutil.Error:  # a short-lived helper that already ended
+        return False

@@ -32,6 +32,7 @@ PRIVATE_APIS = [
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "optimizer state placement"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "registering strategy names"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "devices=N launches"),
+    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts", "launcher pid"),
     ("lightning.pytorch.strategies.strategy", "_ForwardRedirection", "FSDP root hooks around training_step"),
     ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "ZeRO: the user's optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
