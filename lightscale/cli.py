@@ -1,4 +1,4 @@
-"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule, doctor.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
+from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
@@ -156,6 +157,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export-zero": partial(export, format="zero"),
     "export-fsdp2": partial(export, format="fsdp2"),
     "schedule": lambda args: draw_schedule_command(args),
+    "doctor": lambda args: doctor_main(args),
 }
 
 
