@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -91,4 +92,7 @@ def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
         if _failed_here.is_set():
             return  # this rank failed too: it is unwinding with its own traceback
         print(f"lightscale: ending rank {rank} because {message}", file=sys.stderr, flush=True)
+        # Where this rank was: if it was the one that stalled (the others timed out waiting for it), this is the report.
+        print(f"lightscale: rank {rank} was here when it was ended:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(EXIT_CODE)

@@ -151,3 +151,57 @@ def _is_rank(process: Any) -> bool:
         return "lightscale.cli" in process.cmdline()
     except psutil.Error:  # a short-lived helper that already ended
         return False
+
+
+STALL = """
+import time
+import torch
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightscale
+from lightscale.strategies import BucketedDDPStrategy
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def training_step(self, batch, index):
+        if self.global_rank == 1 and index == 2:
+            stuck_in_user_code()
+        return self.a(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def stuck_in_user_code():
+    time.sleep(600)  # a deadlocked data loader, a hung file system
+
+
+trainer = lightscale.Trainer(
+    strategy=BucketedDDPStrategy(timeout_s=10), accelerator="cpu", devices=2, max_steps=6,
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
+"""
+
+
+def test_a_stalled_rank_reports_where_it_is_stuck_and_the_run_ends(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(STALL)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,  # the stall is 600 s: ending before that is the point
+    )
+    assert result.returncode != 0
+    report = result.stderr[result.stderr.index("lightscale: ending rank 1 because rank 0 raised") :]
+    assert "rank 1 was here when it was ended" in report
+    assert "in stuck_in_user_code" in report, report[-3000:]
