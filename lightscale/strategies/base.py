@@ -241,7 +241,15 @@ class LightscaleStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        announce_failure(self.global_rank, exception)  # the other ranks stop now, not at the collective timeout
+        announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
+
+    def _failure_context(self, exception: BaseException) -> str:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        where = f"{trainer.state.stage}, step {trainer.global_step}" if trainer is not None else "start-up"
+        if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
+            where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
+            where += " prints where it was"
+        return where
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod

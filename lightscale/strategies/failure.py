@@ -40,8 +40,10 @@ def _store() -> dist.Store | None:
         return None
 
 
-def announce_failure(rank: int, error: BaseException, *, grace_s: float = 5.0) -> None:
+def announce_failure(rank: int, error: BaseException, *, where: str = "", grace_s: float = 5.0) -> None:
     """Publish ``rank``'s error so every other rank stops (best effort: never masks the error itself).
+
+    ``where`` (e.g. "fit, step 12") is appended to the message.
 
     Returns once every rank's watcher has read it, or after ``grace_s`` (a rank that is already gone never reads).
     """
@@ -49,7 +51,7 @@ def announce_failure(rank: int, error: BaseException, *, grace_s: float = 5.0) -
     store = _store()
     if store is None:
         return
-    message = f"rank {rank} raised {type(error).__name__}: {error}"[:_MAX_MESSAGE]
+    message = f"rank {rank} raised {type(error).__name__}: {error}"[:_MAX_MESSAGE] + (f" [{where}]" if where else "")
     # The store may be gone (rank 0 died first): the error still propagates on this rank.
     with contextlib.suppress(Exception):
         store.set(FAILURE_KEY, message.encode())
