@@ -245,7 +245,8 @@ class LightscaleStrategy(ParallelStrategy):
 
     def _failure_context(self, exception: BaseException) -> str:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        where = f"{trainer.state.stage}, step {trainer.global_step}" if trainer is not None else "start-up"
+        stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
+        where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"

@@ -203,6 +203,6 @@ def test_a_stalled_rank_reports_where_it_is_stuck_and_the_run_ends(tmp_path: Pat
     )
     assert result.returncode != 0
     report = result.stderr[result.stderr.index("lightscale: ending rank 1 because rank 0 raised") :]
-    assert "[RunningStage.TRAINING, step 2; a collective timed out after 30 s" in report  # the stage, step, cause
+    assert "[train, step 2; a collective timed out after 30 s" in report  # the stage, step, cause
     assert "rank 1 was here when it was ended" in report
     assert "in stuck_in_user_code" in report, report[-3000:]
