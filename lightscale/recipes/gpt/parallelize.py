@@ -91,6 +91,23 @@ def validate_gpt_parallel(config: GPTConfig, *, tp: int, num_stages: int) -> Non
         gpt_stage_modules(config, num_stages)  # raises for layers that do not divide into stages
 
 
+def validate_gpt_moe(config: GPTConfig, *, tp: int, num_stages: int) -> None:
+    """MoE layers: no tensor-parallel plan for the experts yet; losses the pipeline's loss_fn cannot see."""
+    moe = config.moe
+    if moe is None:
+        return
+    if tp > 1:
+        raise ConfigurationError(
+            "The GPT's MoE layers have no tensor-parallel plan: use tp=1 with expert parallelism (ep, e.g. the "
+            "strategy name 'ep2') and FSDP2 for the rest."
+        )
+    if num_stages > 1 and (moe.balance == "aux_loss" or moe.z_loss_coef):
+        raise ConfigurationError(
+            "Under pipeline parallelism the loss is computed from the last stage's output only, so the MoE "
+            "auxiliary and z-losses of earlier stages would be lost: use balance: bias (no loss) with pp > 1."
+        )
+
+
 def validate_gpt_plan(config: GPTConfig, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Check the plan's patterns against the model's module names (built on the meta device: no memory)."""
     with torch.device("meta"):
