@@ -127,3 +127,18 @@ def apply_expert_parallel(layers: Sequence[MoE], ep_mesh: DeviceMesh) -> list[Ex
 def expert_parameters(layers: Sequence[MoE]) -> set[Any]:
     """The routed experts' parameters (kept out of the dense part's FSDP groups)."""
     return {param for layer in layers for param in layer.experts.parameters()}
+
+
+def shard_experts_over_data(layers: Sequence[MoE], mesh: DeviceMesh, *, mp_policy: Any = None) -> None:
+    """FSDP2 on each layer's expert-parallel experts over ``dp_shard`` (the ranks holding the same experts).
+
+    Its reduction averages over those ``dp_shard`` ranks; the divide factor makes it the mean over every rank
+    with a batch (dp_shard x ep), as for the dense part.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    factor = float(mesh["dp_shard"].size() * mesh["ep"].size())
+    for layer in layers:
+        fully_shard(layer.experts, mesh=mesh["dp_shard"], mp_policy=mp_policy or MixedPrecisionPolicy())
+        layer.experts.set_gradient_divide_factor(factor)
+        layer.experts.set_force_sum_reduction_for_comms(True)  # a sum then a division: gloo has no PREMUL_SUM

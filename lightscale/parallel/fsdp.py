@@ -106,6 +106,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: each unit its own group, the root last.
 
@@ -115,6 +116,8 @@ def apply_fsdp(
     chosen = list(units) if units is not None else find_units(model, unit_classes)
     common = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     common["offload_policy"] = offload_policy or OffloadPolicy()
+    if ignored_params:  # e.g. expert-parallel experts: sharded over other ranks than the dense part
+        common["ignored_params"] = ignored_params
     for unit in reversed(chosen):  # bottom-up; order does not change grouping, only hook registration
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, reshard_after_forward=False, **common)
