@@ -164,6 +164,9 @@ def materialize_meta_module(
     kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
     model.to_empty(device=device)
     done = _restore(model, kept)
+    for module in model.modules():  # buffers whose module can re-create them (e.g. MoE router biases)
+        if callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
     if rng_state is not None:
         _set_rng_states(rng_state)
     for module in model.modules():
@@ -204,7 +207,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_materializable(model: nn.Module) -> None:
-    buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    resettable = {id(b) for m in model.modules() if callable(getattr(m, "reset_buffers", None)) for b in m.buffers()}
+    buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in resettable]
     if buffers:
         raise ConfigurationError(
             f"Buffers {buffers} were built on the meta device and their values cannot be recovered; "

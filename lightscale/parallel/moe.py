@@ -28,7 +28,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 BALANCE_MODES = ("aux_loss", "bias", "none")
+_COUNTING = [True]  # False while a pipeline infers its shapes with an extra forward (not a training token)
 SCORES = ("softmax", "sigmoid")
 
 
@@ -101,6 +103,11 @@ class Router(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def reset_buffers(self) -> None:
+        """Zero bias (also after building on the meta device: FSDP2's materialization calls this)."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``x [N, D]`` -> (logits [N, E], probabilities [N, E], chosen experts [N, k], gate weights [N, k])."""
@@ -168,6 +175,10 @@ class MoE(nn.Module):
         self.counts = torch.zeros(config.n_experts)
         self.dropped = 0
 
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.load.zero_()
+
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, dim = x.shape
         k, n_experts = self.config.top_k, self.config.n_experts
@@ -193,7 +204,7 @@ class MoE(nn.Module):
         n_experts = self.config.n_experts
         per_sequence = F.one_hot(experts, n_experts).sum((1, 2)).float()  # [B, E] copies routed per sequence
         counts = per_sequence.sum(0).detach()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _COUNTING[0]:
             self.load += counts
         self.counts, self.dropped = counts, dropped
         aux = logits.new_zeros(())
@@ -204,6 +215,16 @@ class MoE(nn.Module):
         if self.config.z_loss_coef:
             aux = aux + self.config.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean()
         self.aux_loss = aux
+
+
+@contextmanager
+def load_not_counted() -> Iterator[None]:
+    """Forwards in this context do not add to the balancing load (e.g. a pipeline stage's shape inference)."""
+    _COUNTING[0] = False
+    try:
+        yield
+    finally:
+        _COUNTING[0] = True
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -19,7 +19,7 @@ from helpers import SGD_LR, TINY, relative_difference, train_tiny_gpt
 
 from lightscale.parallel.moe import MoEConfig, local, moe_layers
 from lightscale.strategies import Parallel3DStrategy
-from lightscale.testing import run_distributed
+from lightscale.testing import RankFailed, run_distributed
 
 TOLERANCE = 1e-5
 STEPS = 10
@@ -32,8 +32,8 @@ MOE = {
 
 
 class RoutingRecorder(pl.Callback):
-    """Shuts out the last expert (bias -100), then records every step's per-expert counts and drops, summed over
-    all ranks (each rank routes its own tokens)."""
+    """Shuts out the last expert (bias -100), then records every step's per-expert counts (over all microbatches)
+    and the last microbatch's drops, summed over all ranks (each rank routes its own tokens)."""
 
     def __init__(self) -> None:
         self.counts: list[list[list[float]]] = []
@@ -49,43 +49,54 @@ class RoutingRecorder(pl.Callback):
             params = [p for p in pl_module.parameters() if (id(p) in experts) == inside]
             self.bytes[kind] = sum(local(p).numel() * p.element_size() for p in params)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        layers = moe_layers(pl_module)
-        counts = torch.stack([layer.counts for layer in layers])
-        dropped = torch.tensor([float(sum(layer.dropped for layer in layers))])
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        # Before the module's hook moves the biases: ``load`` holds this step's counts (all microbatches).
+        slots = pl_module.moe_slots()  # every MoE layer of the model; None where another pipeline stage holds it
+        counts = torch.stack([torch.zeros(4) if layer is None else layer.load.clone() for layer in slots])
+        dropped = torch.tensor([float(sum(layer.dropped for layer in slots if layer is not None))])
         if dist.is_initialized():
             dist.all_reduce(counts)
             dist.all_reduce(dropped)
         self.counts.append(counts.tolist())
         self.dropped.append(int(dropped))
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        for layer in moe_layers(pl_module):
+            layer.load.zero_()  # the bias update did (balance: bias); the other modes never use it
 
-def _train_recording(strategy: Any, devices: int, config: Any, cache_dir: str, **kwargs: Any) -> dict[str, Any]:
+
+def _train_recording(
+    strategy: Any, devices: int, config: Any, cache_dir: str, *, data_shards: int | None = None
+) -> dict[str, Any]:
     recorder = RoutingRecorder()
     losses = train_tiny_gpt(
         strategy,
         devices=devices,
-        batch_size=GLOBAL_BATCH // devices,
+        batch_size=GLOBAL_BATCH // (data_shards or devices),
         max_steps=STEPS,
         config=config,
         cache_dir=cache_dir,
         sgd_lr=SGD_LR,
         local_losses=True,
         extra_callbacks=[recorder],
-        **kwargs,
     )
     return {"losses": losses, "counts": recorder.counts, "dropped": recorder.dropped, "bytes": recorder.bytes}
 
 
+PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)
+
+
 @cache
-def _reference(mode: str, cache_dir: str) -> dict[str, Any]:
-    config = dataclasses.replace(TINY, moe=MOE[mode])
+def _reference(mode: str, cache_dir: str, pipelined: bool = False) -> dict[str, Any]:
+    config = dataclasses.replace(PIPELINED if pipelined else TINY, moe=MOE[mode])
     return run_distributed(_train_recording, "auto", 1, config, cache_dir, world_size=1)[0]
 
 
-def _fit_ep(strategy: Any, mode: str, cache_dir: str, ranks: int = 2) -> dict[str, Any]:
-    config = dataclasses.replace(TINY, moe=MOE[mode])
-    runs = run_distributed(_train_recording, strategy, ranks, config, cache_dir, world_size=ranks, timeout_s=600)
+def _fit_ep(strategy: Any, mode: str, cache_dir: str, ranks: int = 2, pp: int = 1) -> dict[str, Any]:
+    config = dataclasses.replace(PIPELINED if pp > 1 else TINY, moe=MOE[mode])
+    runs = run_distributed(
+        _train_recording, strategy, ranks, config, cache_dir, data_shards=ranks // pp, world_size=ranks, timeout_s=600
+    )
     losses = [sum(step) / ranks for step in zip(*(run["losses"] for run in runs), strict=True)]
     return {
         "losses": losses,
@@ -95,10 +106,11 @@ def _fit_ep(strategy: Any, mode: str, cache_dir: str, ranks: int = 2) -> dict[st
     }
 
 
-@pytest.mark.parametrize("mode", list(MOE))
-def test_ep2_matches_one_process(mode: str, corpus_cache: str) -> None:
+@pytest.mark.parametrize(("name", "mode"), [("ep2", mode) for mode in MOE] + [("fsdp2", "dropless")])
+def test_ep2_matches_one_process(name: str, mode: str, corpus_cache: str) -> None:
+    # fsdp2: the same MoE with its experts sharded by FSDP2 like any weight (built on the meta device).
     reference = _reference(mode, corpus_cache)
-    ep = _fit_ep("ep2", mode, corpus_cache)
+    ep = _fit_ep(name, mode, corpus_cache)
     assert ep["counts"] == reference["counts"]  # the same routing decisions, every step and layer
     shut_out = all(layer[-1] == 0 for step in ep["counts"] for layer in step)
     assert shut_out == (MOE[mode].balance == "bias")  # expert 3 got no token on any rank
@@ -106,7 +118,7 @@ def test_ep2_matches_one_process(mode: str, corpus_cache: str) -> None:
     assert (max(ep["dropped"]) > 0) == (MOE[mode].capacity_factor is not None)
     assert relative_difference(ep["losses"], reference["losses"]) <= TOLERANCE
     assert reference["losses"][-1] < reference["losses"][0] - 1.0  # it learned: the comparison is not vacuous
-    _check_bytes(ep["bytes"], reference["bytes"], ep=2, dp_shard=1)
+    _check_bytes(ep["bytes"], reference["bytes"], ep=2 if name == "ep2" else 1, dp_shard=1 if name == "ep2" else 2)
 
 
 def _check_bytes(per_rank: list[dict[str, int]], whole: dict[str, int], *, ep: int, dp_shard: int) -> None:
@@ -126,6 +138,14 @@ def test_ep2_dp2_matches_one_process(corpus_cache: str) -> None:
     _check_bytes(ep["bytes"], reference["bytes"], ep=2, dp_shard=2)
 
 
+def test_ep2_pp2_matches_one_process(corpus_cache: str) -> None:
+    # 4 ranks: 2 pipeline stages (1f1b, 2 microbatches), each stage's experts sharded over ep=2.
+    reference = _reference("dropless", corpus_cache, pipelined=True)
+    ep = _fit_ep("ep2_pp2", "dropless", corpus_cache, ranks=4, pp=2)
+    assert ep["counts"] == reference["counts"]
+    assert relative_difference(ep["losses"], reference["losses"]) <= TOLERANCE
+
+
 class UnscaledExpertGradients(Parallel3DStrategy):
     """ep2 that forgets the 1/ep of the expert gradients (each arrives summed over the ep ranks' losses)."""
 
@@ -135,6 +155,12 @@ class UnscaledExpertGradients(Parallel3DStrategy):
             for param in layer.experts.parameters():
                 param.register_hook(lambda grad: grad * 2)
         return wrapped
+
+
+def test_zero_refuses_moe(corpus_cache: str) -> None:
+    config = dataclasses.replace(TINY, moe=MOE["dropless"])
+    with pytest.raises(RankFailed, match="'ep2'"):
+        run_distributed(_train_recording, "zero2", 2, config, corpus_cache, world_size=2)
 
 
 def test_a_planted_scale_error_fails(corpus_cache: str) -> None:
