@@ -103,7 +103,7 @@ def test_expert_major_order_regroups_received_copies() -> None:
 
 
 def test_expert_parallel_validation() -> None:
-    with pytest.raises(ConfigurationError, match="no lightscale.parallel.moe.MoE layer"):
+    with pytest.raises(ConfigurationError, match=r"no lightscale\.parallel\.moe\.MoE layer"):
         check_expert_parallel([], 2)
     with pytest.raises(ConfigurationError, match=r"does not divide \[6\]"):
         check_expert_parallel([MoE(8, MoEConfig(n_experts=6))], 4)
