@@ -167,3 +167,15 @@ def test_a_planted_scale_error_fails(corpus_cache: str) -> None:
     reference = _reference("dropless", corpus_cache)
     ep = _fit_ep(UnscaledExpertGradients(ep=2), "dropless", corpus_cache)
     assert relative_difference(ep["losses"], reference["losses"]) > 100 * TOLERANCE
+
+
+def test_ep2_clipping_uses_the_global_norm(corpus_cache: str) -> None:
+    # The norm spans the dense shards and every rank's experts: a norm over one rank's experts would clip differently.
+    config = dataclasses.replace(TINY, moe=MOE["dropless"])
+    common = {"max_steps": STEPS, "config": config, "cache_dir": corpus_cache, "sgd_lr": SGD_LR}
+    clipped = {**common, "gradient_clip_val": 0.5}
+    reference = run_distributed(train_tiny_gpt, "auto", devices=1, batch_size=8, world_size=1, **clipped)[0]
+    unclipped = run_distributed(train_tiny_gpt, "auto", devices=1, batch_size=8, world_size=1, **common)[0]
+    assert relative_difference(unclipped, reference) > 100 * TOLERANCE  # the clip is active
+    ep = run_distributed(train_tiny_gpt, "ep2", devices=2, batch_size=4, world_size=2, **clipped)[0]
+    assert relative_difference(ep, reference) <= TOLERANCE
