@@ -13,8 +13,10 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -106,12 +108,23 @@ class GPTModule(pl.LightningModule):
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def _log_moe(self) -> None:
+        """Tokens per expert (max/mean, and a TensorBoard histogram), dropped fraction and aux loss, per MoE layer."""
+        histogram = self.trainer.global_step % self.trainer.log_every_n_steps == 0
         for index, layer in enumerate(self.moe_slots()):
             if layer is not None:
                 routed = float(layer.counts.sum())
                 self.log(f"moe/layer{index}/max_over_mean", load_imbalance(layer.counts))
                 self.log(f"moe/layer{index}/dropped_fraction", layer.dropped / max(routed, 1.0))
+                if histogram:
+                    self._log_expert_histogram(f"moe/layer{index}/tokens_per_expert", layer.counts)
         self.log("moe/aux_loss", self.moe_aux_loss())
+
+    def _log_expert_histogram(self, tag: str, counts: torch.Tensor) -> None:
+        experts = torch.repeat_interleave(torch.arange(len(counts)), counts.long())
+        edges = np.arange(len(counts) + 1) - 0.5  # one bin per expert
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_histogram(tag, experts, self.global_step, bins=edges)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
