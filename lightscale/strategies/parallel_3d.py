@@ -65,7 +65,8 @@ from lightscale.strategies.mesh import ParallelDims
 
 
 class Parallel3DStrategy(LightscaleStrategy):
-    """Data, tensor and pipeline parallelism in one mesh ``(pp, dp_replicate, dp_shard, tp)``, tp innermost.
+    """Data, tensor, pipeline and expert parallelism in one mesh ``(pp, dp_replicate, dp_shard, ep, tp)``, tp
+    innermost.
 
     Args:
         dp: data-parallel degree; ``-1`` infers it from the world size.
