@@ -139,7 +139,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
         """``tokens`` sorted by expert, ``counts[e]`` of them for local expert e -> expert outputs, same order."""
-        w1, w2 = local(self.w1), local(self.w2)
+        # In the tokens' dtype: under mixed precision FSDP casts the dense weights, but expert-parallel experts
+        # outside FSDP stay fp32 (a no-op in fp32 training).
+        w1, w2 = local(self.w1).to(tokens.dtype), local(self.w2).to(tokens.dtype)
         chunks = tokens.split(counts.tolist())
         return torch.cat([F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(chunks)])
 

@@ -73,7 +73,7 @@ def parallelize_model(
         assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
         apply_tp_plan(network if network is not None else root, mesh["tp"], tp_plan, strict=False)
     ignored: set[nn.Parameter] = set()
-    if mesh["ep"].size() > 1:
+    if mesh["ep"].size() > 1 and moe_layers:  # a pipeline stage may hold none
         apply_expert_parallel(moe_layers, mesh["ep"])
         ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
