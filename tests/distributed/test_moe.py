@@ -133,11 +133,12 @@ def _check_bytes(per_rank: list[dict[str, int]], whole: dict[str, int], *, ep: i
     assert max(rank["dense"] for rank in per_rank) < whole["dense"] / len(per_rank) * 1.1
 
 
-def test_ep2_dp2_matches_one_process(corpus_cache: str) -> None:
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_ep2_dp2_matches_one_process(mode: str, corpus_cache: str) -> None:
     # 4 ranks: experts sharded over ep=2 and by FSDP2 over the dp_shard=2 ranks holding the same experts.
-    reference = _reference("dropless", corpus_cache)
-    ep = _fit_ep(Parallel3DStrategy(dp=2, ep=2), "dropless", corpus_cache, ranks=4)
-    assert ep["counts"] == reference["counts"]
+    reference = _reference(mode, corpus_cache)
+    ep = _fit_ep(Parallel3DStrategy(dp=2, ep=2), mode, corpus_cache, ranks=4)
+    assert ep["counts"] == reference["counts"] and ep["dropped"] == reference["dropped"]
     assert relative_difference(ep["losses"], reference["losses"]) <= TOLERANCE
     _check_bytes(ep["bytes"], reference["bytes"], ep=2, dp_shard=2)
 
@@ -171,6 +172,15 @@ def test_a_planted_scale_error_fails(corpus_cache: str) -> None:
     reference = _reference("dropless", corpus_cache)
     ep = _fit_ep(UnscaledExpertGradients(ep=2), "dropless", corpus_cache)
     assert relative_difference(ep["losses"], reference["losses"]) > 100 * TOLERANCE
+
+
+def test_ep2_matches_one_process_with_adamw(corpus_cache: str) -> None:
+    # The recipe's AdamW and warmup-cosine schedule: optimizer state of DTensor experts and FSDP2 shards alike.
+    config = dataclasses.replace(TINY, moe=MOE["capacity"])
+    common = {"max_steps": STEPS, "config": config, "cache_dir": corpus_cache}
+    reference = run_distributed(train_tiny_gpt, "auto", devices=1, batch_size=8, world_size=1, **common)[0]
+    ep = run_distributed(train_tiny_gpt, "ep2", devices=2, batch_size=4, world_size=2, **common)[0]
+    assert relative_difference(ep, reference) <= TOLERANCE
 
 
 def test_ep2_clipping_uses_the_global_norm(corpus_cache: str) -> None:
