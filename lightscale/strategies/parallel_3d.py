@@ -95,6 +95,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         "tp2_pp2": ("tensor parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"tp": 2, "pp": 2}),
         "ep2": ("MoE experts sharded over 2 ranks (all-to-all), the rest FSDP2 over all ranks", {"ep": 2}),
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
+        "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
 
     def __init__(

@@ -24,9 +24,15 @@ TOLERANCE = 1e-5  # relative, per step, fp32
 STEPS = 6
 GLOBAL_BATCH = 8
 NAMES = [name for name, _ in lightscale.strategy_table()]
-RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4}
+RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4, "ep2_tp2": 4}
 NEEDS_ADAM = {"zero2_offload", "zero3_offload", "zero_infinity"}
-NEEDS_A_PLAN = {"tp2": "tp_plan", "pp2": "pipeline_stages", "tp2_pp2": "tp_plan", "ep2_pp2": "pipeline_stages"}
+NEEDS_A_PLAN = {
+    "tp2": "tp_plan",
+    "pp2": "pipeline_stages",
+    "tp2_pp2": "tp_plan",
+    "ep2_pp2": "pipeline_stages",
+    "ep2_tp2": "tp_plan",
+}
 NEEDS_EXPERTS = {"ep2"}  # expert parallelism shards MoE layers: a dense model gets a clear error
 
 

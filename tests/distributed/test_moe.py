@@ -96,10 +96,11 @@ def _reference(mode: str, cache_dir: str, pipelined: bool = False) -> dict[str, 
     return run_distributed(_train_recording, "auto", 1, config, cache_dir, world_size=1)[0]
 
 
-def _fit_ep(strategy: Any, mode: str, cache_dir: str, ranks: int = 2, pp: int = 1) -> dict[str, Any]:
+def _fit_ep(strategy: Any, mode: str, cache_dir: str, ranks: int = 2, pp: int = 1, tp: int = 1) -> dict[str, Any]:
     config = dataclasses.replace(PIPELINED if pp > 1 else TINY, moe=MOE[mode])
+    shards = ranks // pp // tp
     runs = run_distributed(
-        _train_recording, strategy, ranks, config, cache_dir, data_shards=ranks // pp, world_size=ranks, timeout_s=600
+        _train_recording, strategy, ranks, config, cache_dir, data_shards=shards, world_size=ranks, timeout_s=600
     )
     losses = [sum(step) / ranks for step in zip(*(run["losses"] for run in runs), strict=True)]
     return {
@@ -148,6 +149,15 @@ def test_ep2_pp2_matches_one_process(corpus_cache: str) -> None:
     reference = _reference("dropless", corpus_cache, pipelined=True)
     ep = _fit_ep("ep2_pp2", "dropless", corpus_cache, ranks=4, pp=2)
     assert ep["counts"] == reference["counts"]
+    assert relative_difference(ep["losses"], reference["losses"]) <= TOLERANCE
+
+
+def test_ep2_tp2_matches_one_process(corpus_cache: str) -> None:
+    # 4 ranks: attention tensor parallel over tp=2 (sequence parallel), the MoE layers whole on both tp ranks with
+    # their experts sharded over ep=2; the two tp ranks of a batch route the same tokens (counted twice here).
+    reference = _reference("capacity", corpus_cache)
+    ep = _fit_ep("ep2_tp2", "capacity", corpus_cache, ranks=4, tp=2)
+    assert ep["counts"] == [[[2 * c for c in layer] for layer in step] for step in reference["counts"]]
     assert relative_difference(ep["losses"], reference["losses"]) <= TOLERANCE
 
 

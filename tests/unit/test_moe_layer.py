@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.experts import check_expert_parallel, expert_major_order
 from lightscale.parallel.moe import MoE, MoEConfig, capacity_mask, update_router_biases
 from lightscale.recipes.gpt import GPTConfig
 from lightscale.recipes.gpt.model import flops_per_token
-from lightscale.recipes.gpt.parallelize import validate_gpt_moe
+from lightscale.recipes.gpt.parallelize import gpt_tp_plan, validate_gpt_moe, validate_gpt_plan
 from lightscale.strategies.mesh import ParallelDims
 
 
@@ -107,10 +108,17 @@ def test_expert_parallel_validation() -> None:
         check_expert_parallel([], 2)
     with pytest.raises(ConfigurationError, match=r"does not divide \[6\]"):
         check_expert_parallel([MoE(8, MoEConfig(n_experts=6))], 4)
-    with pytest.raises(ConfigurationError, match="no tensor-parallel plan"):
-        validate_gpt_moe(GPTConfig(moe=MoEConfig()), tp=2, num_stages=1)
     with pytest.raises(ConfigurationError, match="balance: bias"):
         validate_gpt_moe(GPTConfig(moe=MoEConfig(balance="aux_loss")), tp=1, num_stages=2)
+
+
+@pytest.mark.parametrize("moe_every", [1, 2])
+def test_tp_plan_names_dense_and_moe_layers(moe_every: int) -> None:
+    config = GPTConfig(n_layer=2, moe=MoEConfig(moe_every=moe_every))
+    validate_gpt_plan(config, sequence_parallel=True, loss_parallel=True)  # every pattern matches a module
+    plan = gpt_tp_plan(config=config)
+    assert isinstance(plan["layers.1.feed_forward"], PrepareModuleInputOutput)  # the MoE layer runs whole
+    assert ("layers.0.feed_forward.w1" in plan) == (moe_every == 2)
 
 
 def test_expert_parallel_ranks_have_their_own_data() -> None:

@@ -145,7 +145,7 @@ class GPTModule(pl.LightningModule):
         return [layer for layer in self.model.layers.values() if layer is not None]  # a stage holds some
 
     def tp_plan(self, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
-        return gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, config=self.config)
 
     def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
         validate_gpt_parallel(self.config, tp=tp, num_stages=num_stages)
