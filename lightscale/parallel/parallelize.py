@@ -1,8 +1,9 @@
-"""The one way lightscale parallelizes a single-device model: TP -> activation checkpointing -> compile -> FSDP.
+"""The one way lightscale parallelizes a single-device model: TP -> EP -> activation checkpointing -> compile -> FSDP.
 
 ``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: tensor parallelism
-first (it changes parameters into DTensors on the ``tp`` axis), then activation checkpointing and compile on the
+first (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
+DTensors on the ``ep`` axis; lightscale/parallel/experts.py), then activation checkpointing and compile on the
 units (they wrap forward, not parameters), then FSDP2 on the data-parallel axes (it shards whatever is there),
 the order torchtitan uses.
 
