@@ -24,15 +24,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.moe import MoE
@@ -45,7 +45,6 @@ class ExpertParallel(ParallelStyle):
     def __init__(self) -> None:
         super().__init__()
         self.splits: tuple[list[int], list[int], Tensor] | None = None
-        self.last_elements = 0  # token elements this rank sent in the last dispatch (for communication checks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -67,7 +66,6 @@ class ExpertParallel(ParallelStyle):
         received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
         order = expert_major_order(got)
         self.splits = (send_splits, recv_splits, order)
-        self.last_elements = tokens.numel()
         return received[order], got.sum(0)
 
     def _combine(self, module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -119,24 +117,24 @@ def apply_expert_parallel(layers: Sequence[MoE], ep_mesh: DeviceMesh) -> list[Ex
     styles = []
     for layer in layers:
         style = ExpertParallel()
-        style._apply(layer.experts, ep_mesh)
+        parallelize_module(layer.experts, ep_mesh, style)
         styles.append(style)
     return styles
 
 
-def expert_parameters(layers: Sequence[MoE]) -> set[Any]:
+def expert_parameters(layers: Sequence[MoE]) -> set[nn.Parameter]:
     """The routed experts' parameters (kept out of the dense part's FSDP groups)."""
     return {param for layer in layers for param in layer.experts.parameters()}
 
 
-def shard_experts_over_data(layers: Sequence[MoE], mesh: DeviceMesh, *, mp_policy: Any = None) -> None:
+def shard_experts_over_data(
+    layers: Sequence[MoE], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None
+) -> None:
     """FSDP2 on each layer's expert-parallel experts over ``dp_shard`` (the ranks holding the same experts).
 
     Its reduction averages over those ``dp_shard`` ranks; the divide factor makes it the mean over every rank
     with a batch (dp_shard x ep), as for the dense part.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     factor = float(mesh["dp_shard"].size() * mesh["ep"].size())
     for layer in layers:
         fully_shard(layer.experts, mesh=mesh["dp_shard"], mp_policy=mp_policy or MixedPrecisionPolicy())

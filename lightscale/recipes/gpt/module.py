@@ -92,7 +92,8 @@ class GPTModule(pl.LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
         loss = self.loss_fn(self(tokens), targets)
-        return loss + self.moe_aux_loss() if self.config.moe is not None else loss
+        # The MoE balancing losses train the router; evaluation reports the language-model loss alone.
+        return loss + self.moe_aux_loss() if self.config.moe is not None and self.training else loss
 
     # ---- mixture of experts ----------------------------------------------------------------------------------
     def moe_slots(self) -> list[MoE | None]:
