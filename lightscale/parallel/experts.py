@@ -15,7 +15,8 @@ dimension (``Shard(0)`` over ``ep``: rank r holds experts ``[r * E/ep, (r+1) * E
 
 Every rank computes its own loss on its own batch (ep ranks are data-parallel ranks), and an expert's gradient
 arrives summed over the ep ranks' losses: a hook divides it by ``ep`` so it is the mean, like FSDP's reduction of
-the dense gradients over dp x ep.
+the dense gradients over dp x ep (when FSDP2 also shards the experts over ``dp_shard``, its divide factor
+``dp_shard x ep`` does the same).
 
 Example:
     >>> apply_expert_parallel(moe_layers(model), mesh["ep"])
