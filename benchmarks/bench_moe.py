@@ -10,12 +10,13 @@ All-to-all share: under ep2 the token all-to-alls (dispatch and combine, forward
 exchange are timed on each rank (until their result is ready, so waiting for the slower rank counts) and divided
 by the step time.
 
-    python benchmarks/bench_moe.py [--repeats 2] [--steps 6]
+    python benchmarks/bench_moe.py [--repeats 2] [--steps 6] [--experts 8] [--width 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -104,7 +105,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args()
+    global MOE, MODEL  # the forked ranks inherit them
+    MOE = dataclasses.replace(MOE, n_experts=args.experts)
+    MODEL = dataclasses.replace(MODEL, n_embd=args.width, moe=MOE)
     from lightscale.recipes.gpt.data import ByteTokenizer, default_cache_dir, tokenize_to_memmap
 
     cache = str(default_cache_dir())
