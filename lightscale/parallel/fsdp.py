@@ -106,6 +106,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: each unit its own group, the root last.
 
@@ -115,6 +116,8 @@ def apply_fsdp(
     chosen = list(units) if units is not None else find_units(model, unit_classes)
     common = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     common["offload_policy"] = offload_policy or OffloadPolicy()
+    if ignored_params:  # e.g. expert-parallel experts: sharded over other ranks than the dense part
+        common["ignored_params"] = ignored_params
     for unit in reversed(chosen):  # bottom-up; order does not change grouping, only hook registration
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, reshard_after_forward=False, **common)
@@ -161,6 +164,9 @@ def materialize_meta_module(
     kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
     model.to_empty(device=device)
     done = _restore(model, kept)
+    for module in model.modules():  # buffers whose module can re-create them (e.g. MoE router biases)
+        if callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
     if rng_state is not None:
         _set_rng_states(rng_state)
     for module in model.modules():
@@ -201,7 +207,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_materializable(model: nn.Module) -> None:
-    buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    resettable = {id(b) for m in model.modules() if callable(getattr(m, "reset_buffers", None)) for b in m.buffers()}
+    buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in resettable]
     if buffers:
         raise ConfigurationError(
             f"Buffers {buffers} were built on the meta device and their values cannot be recovered; "

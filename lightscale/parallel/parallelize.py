@@ -1,8 +1,9 @@
-"""The one way lightscale parallelizes a single-device model: TP -> activation checkpointing -> compile -> FSDP.
+"""The one way lightscale parallelizes a single-device model: TP -> EP -> activation checkpointing -> compile -> FSDP.
 
 ``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: tensor parallelism
-first (it changes parameters into DTensors on the ``tp`` axis), then activation checkpointing and compile on the
+first (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
+DTensors on the ``ep`` axis; lightscale/parallel/experts.py), then activation checkpointing and compile on the
 units (they wrap forward, not parameters), then FSDP2 on the data-parallel axes (it shards whatever is there),
 the order torchtitan uses.
 
@@ -21,7 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
+from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
 from lightscale.parallel.fsdp import apply_fsdp
+from lightscale.parallel.moe import MoE
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 
 
@@ -38,7 +41,13 @@ class ParallelizeOptions:
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``dp_shard`` axis, or ``(dp_replicate, dp_shard)`` when replicas exist (HSDP; shard 1 = replication)."""
+    """The ``dp_shard`` axis, or ``(dp_replicate, dp_shard)`` when replicas exist (HSDP; shard 1 = replication).
+
+    With expert parallelism the dense part shards over ``dp_shard x ep`` (every rank with a batch of its own).
+    """
+    if mesh["ep"].size() > 1:
+        assert mesh["dp_replicate"].size() == 1, "expert parallelism with replicated data parallelism is refused"
+        return mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
@@ -52,18 +61,28 @@ def parallelize_model(
     options: ParallelizeOptions,
     network: nn.Module | None = None,
     tp_plan: TPPlan | None = None,
+    moe_layers: Sequence[MoE] = (),
 ) -> nn.Module:
     """Parallelize ``root`` in place over ``mesh`` (axes named as :meth:`ParallelDims.build_mesh` makes them).
 
     ``network`` is the module ``tp_plan``'s patterns are relative to (default ``root``); ``units`` are the
     repeated blocks (FSDP groups, checkpoint and compile units); ``root`` takes every parameter left over.
+    ``moe_layers`` have their routed experts sharded over ``ep`` (expert parallelism) when ``ep > 1``; FSDP then
+    shards those over the ranks that hold the same experts (``dp_shard``), the rest over ``dp_shard x ep``.
     """
     if mesh["tp"].size() > 1:
         assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
         apply_tp_plan(network if network is not None else root, mesh["tp"], tp_plan, strict=False)
+    ignored: set[nn.Parameter] = set()
+    if mesh["ep"].size() > 1 and moe_layers:  # a pipeline stage may hold none
+        apply_expert_parallel(moe_layers, mesh["ep"])
+        ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)
     dp_mesh = data_parallel_mesh(mesh)
+    if ignored and mesh["dp_shard"].size() > 1:
+        shard_experts_over_data(moe_layers, mesh, mp_policy=options.mp_policy)
+        ignored = set()  # FSDP-managed now: the dense groups below leave them alone
     if dp_mesh.size() > 1 or options.always_shard:
         apply_fsdp(
             root,
@@ -72,5 +91,6 @@ def parallelize_model(
             mp_policy=options.mp_policy,
             offload_policy=options.offload_policy,
             reshard_after_forward=options.reshard_after_forward,
+            ignored_params=ignored,
         )
     return root

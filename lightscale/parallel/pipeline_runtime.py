@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.moe import load_not_counted
 from lightscale.parallel.pipeline import check_microbatch_split, is_single_stage, schedule_class, stage_ids_owner
 
 # torch runs these only with backward (their forward-only mode still executes backward actions).
@@ -87,6 +88,8 @@ class Pipeline:
             PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
             for index, module in self.stage_modules.items()
         ]
+        for stage in stages:
+            stage._prepare_forward_infra = _load_not_counted(stage._prepare_forward_infra)
         cls = schedule_class(self.schedule_name)
         return cls(stages[0] if is_single_stage(self.schedule_name) else stages, self.microbatches, loss_fn=loss_fn)
 
@@ -233,3 +236,13 @@ def share_stage_weights(
                         received = torch.empty_like(tensor)
                         dist.broadcast(received, src=src, group=pp_group)
                         tensor.copy_(received)
+
+
+def _load_not_counted(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    """torch infers stage shapes with one extra forward on the first step: not tokens an MoE router balances."""
+
+    def prepare_uncounted(*args: Any, **kwargs: Any) -> Any:
+        with load_not_counted():
+            return prepare(*args, **kwargs)
+
+    return prepare_uncounted

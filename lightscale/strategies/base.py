@@ -143,10 +143,11 @@ class LightscaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks that share a batch (tensor/pipeline parallel) share a data shard: shard over data-parallel ranks.
-        # Mesh order is (pp, dp_replicate, dp_shard, ep, tp), tp fastest: the dp index has stride ep * tp.
+        # Ranks that share a batch (tensor/pipeline parallel) share a data shard; expert-parallel ranks do not (they
+        # are data-parallel ranks that exchange tokens). Mesh order is (pp, dp_replicate, dp_shard, ep, tp), tp
+        # fastest: the (dp, ep) index has stride tp.
         dims = self.dims
-        return {"num_replicas": dims.dp, "rank": self.global_rank // (dims.ep * dims.tp) % dims.dp}
+        return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
 
     @override
     def _configure_launcher(self) -> None:

@@ -75,6 +75,11 @@ class ParallelDims:
         return self.dp > 1
 
     @property
+    def data_shards(self) -> int:
+        """Ranks with batches of their own: dp x ep (expert-parallel ranks are carved from data-parallel ones)."""
+        return self.dp * self.ep
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 

@@ -44,8 +44,10 @@ from lightscale.parallel.contract import (
     tp_plan_of,
 )
 from lightscale.parallel.data_parallel import broadcast_module_state
+from lightscale.parallel.experts import check_expert_parallel
 from lightscale.parallel.fsdp import check_shardable, contains_module
 from lightscale.parallel.grad_norm import clip_grad_norm_
+from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
@@ -63,12 +65,15 @@ from lightscale.strategies.mesh import ParallelDims
 
 
 class Parallel3DStrategy(LightscaleStrategy):
-    """Data, tensor and pipeline parallelism in one mesh ``(pp, dp_replicate, dp_shard, tp)``, tp innermost.
+    """Data, tensor, pipeline and expert parallelism in one mesh ``(pp, dp_replicate, dp_shard, ep, tp)``, tp
+    innermost.
 
     Args:
         dp: data-parallel degree; ``-1`` infers it from the world size.
         tp: tensor-parallel degree (keep it inside a node: two collectives per layer).
         pp: pipeline-parallel degree (stages across nodes: one send per microbatch and stage).
+        ep: expert-parallel degree: MoE experts sharded over ``ep`` ranks carved from the data-parallel ones
+            (each sees its own batch; tokens travel to their experts by all-to-all). See docs/strategies/moe.md.
         dp_mode: ``"shard"`` (FSDP2) or ``"replicate"`` (parameters replicated, gradients all-reduced).
         schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` or ``zbv``.
         microbatches: microbatches per step (default: pp); the per-rank batch must divide into them.
@@ -88,6 +93,9 @@ class Parallel3DStrategy(LightscaleStrategy):
         "tp2": ("tensor parallel over 2 ranks (sequence + loss parallel), the rest FSDP2", {"tp": 2}),
         "pp2": ("2 pipeline stages (1f1b, 2 microbatches), the rest FSDP2", {"pp": 2}),
         "tp2_pp2": ("tensor parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"tp": 2, "pp": 2}),
+        "ep2": ("MoE experts sharded over 2 ranks (all-to-all), the rest FSDP2 over all ranks", {"ep": 2}),
+        "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
+        "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
 
     def __init__(
@@ -96,6 +104,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         dp: int = -1,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         dp_mode: Literal["shard", "replicate"] = "shard",
         schedule: str = "1f1b",
         microbatches: int | None = None,
@@ -116,11 +125,13 @@ class Parallel3DStrategy(LightscaleStrategy):
         self._root: nn.Module | None = None  # where FSDP roots without a pipeline (as under fsdp2)
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
-        for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
+        for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
             if (degree != -1 and degree < 1) or (name != "dp" and degree == -1):
                 raise ConfigurationError(f"{name}={degree} is not valid: use a positive degree (dp may be -1).")
+        if ep > 1 and dp_mode == "replicate":
+            raise ConfigurationError("ep > 1 shards the dense part with FSDP2 over dp x ep: use dp_mode='shard'.")
         schedule_class(schedule)  # unknown names fail here
-        self.dp, self.tp, self.pp, self.dp_mode = dp, tp, pp, dp_mode
+        self.dp, self.tp, self.pp, self.ep, self.dp_mode = dp, tp, pp, ep, dp_mode
         self.schedule = schedule
         self.microbatches = microbatches if microbatches is not None else pp
         self.stages_per_rank = stages_per_rank if stages_per_rank is not None else default_stages_per_rank(schedule)
@@ -144,6 +155,7 @@ class Parallel3DStrategy(LightscaleStrategy):
             dp_replicate=1 if shard else self.dp,
             tp=self.tp,
             pp=self.pp,
+            ep=self.ep,
         )
 
     @override
@@ -162,8 +174,8 @@ class Parallel3DStrategy(LightscaleStrategy):
     # ---- applying parallelism ------------------------------------------------------------------------------
     @property
     def shards_data_parallel(self) -> bool:
-        """FSDP applies to the whole LightningModule (no pipeline, dp > 1): precision is then FSDP's policy."""
-        return self.dims.dp_enabled and not self.dims.pp_enabled
+        """FSDP applies to the whole LightningModule (no pipeline, dp x ep > 1): precision is then FSDP's policy."""
+        return self.dims.data_shards > 1 and not self.dims.pp_enabled
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -172,7 +184,9 @@ class Parallel3DStrategy(LightscaleStrategy):
                 self._network, module.model = module.model, self._stage_view
             return module
         self._parallelized = module
-        if self.dims.dp_enabled:
+        if self.dims.ep_enabled:
+            check_expert_parallel(moe_layers(module), self.ep)
+        if self.dims.data_shards > 1:
             check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
@@ -196,7 +210,15 @@ class Parallel3DStrategy(LightscaleStrategy):
             mp_policy=policy,
             reshard_after_forward=not self.dims.pp_enabled,  # pipelines re-use weights across microbatches
         )
-        parallelize_model(root, self.device_mesh, units=units, options=options, network=network, tp_plan=plan)
+        parallelize_model(
+            root,
+            self.device_mesh,
+            units=units,
+            options=options,
+            network=network,
+            tp_plan=plan,
+            moe_layers=moe_layers(root),
+        )
 
     def _build_pipeline(self, module: LightningModule, model: nn.Module) -> nn.Module:
         names = module.pipeline_stages(self.num_stages)

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
+from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
 from lightscale.strategies.base import LightscaleStrategy
@@ -118,6 +119,7 @@ class ZeroStrategy(LightscaleStrategy):
         self._check_trainer(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
+        refuse_moe(self.lightning_module)
         if not fitting and self._engine_wraps(self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
             return
@@ -282,6 +284,19 @@ class ZeroStrategy(LightscaleStrategy):
 # DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
 # drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
 _DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def refuse_moe(module: LightningModule) -> None:
+    """MoE layers are refused: DeepSpeed would partition the stacked expert weights as dense parameters (ZeRO-3
+    gathers every expert of a layer on every rank), with no expert dimension to shard them over."""
+    if moe_layers(module):
+        raise ConfigurationError(
+            "The ZeRO strategies do not train mixture-of-experts models: DeepSpeed partitions the stacked expert "
+            "weights like dense ones (ZeRO-3 would gather every expert of a layer on every rank) and has no expert "
+            "parallelism here; DeepSpeed's own MoE refuses stage 3. Use 'ep2' or Parallel3DStrategy(ep=N) (experts "
+            "sharded over ranks, tokens sent by all-to-all, the rest FSDP2), or 'fsdp2' / 'parallel_3d' (experts "
+            "sharded by FSDP2 like any weight)."
+        )
 
 
 def silence_deepspeed_noise() -> None:

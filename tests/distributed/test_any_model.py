@@ -24,9 +24,16 @@ TOLERANCE = 1e-5  # relative, per step, fp32
 STEPS = 6
 GLOBAL_BATCH = 8
 NAMES = [name for name, _ in lightscale.strategy_table()]
-RANKS = {"hsdp": 4, "tp2_pp2": 4}
+RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4, "ep2_tp2": 4}
 NEEDS_ADAM = {"zero2_offload", "zero3_offload", "zero_infinity"}
-NEEDS_A_PLAN = {"tp2": "tp_plan", "pp2": "pipeline_stages", "tp2_pp2": "tp_plan"}
+NEEDS_A_PLAN = {
+    "tp2": "tp_plan",
+    "pp2": "pipeline_stages",
+    "tp2_pp2": "tp_plan",
+    "ep2_pp2": "pipeline_stages",
+    "ep2_tp2": "tp_plan",
+}
+NEEDS_EXPERTS = {"ep2"}  # expert parallelism shards MoE layers: a dense model gets a clear error
 
 
 class Block(nn.Module):
@@ -105,6 +112,10 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
     ranks = RANKS.get(name, 2)
     if name in NEEDS_ADAM:
         with pytest.raises(RankFailed, match="Optimizer offload runs Adam/AdamW as DeepSpeed's CPU Adam, got SGD"):
+            run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks)
+        return
+    if name in NEEDS_EXPERTS:
+        with pytest.raises(RankFailed, match=r"ep=2 shards MoE experts, but the model has no"):
             run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks)
         return
     if name in NEEDS_A_PLAN:

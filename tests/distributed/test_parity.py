@@ -27,7 +27,7 @@ GLOBAL_BATCH = 8
 PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)  # stages hold whole layers; no tied head
 RANKS = {"hsdp": 4, "tp2_pp2": 4}
 DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1}  # the rest of the ranks are data parallel
-NAMES = [name for name, _ in lightscale.strategy_table()]
+NAMES = [name for name, _ in lightscale.strategy_table() if not name.startswith("ep")]  # MoE names: test_moe.py
 # Optimizer offload runs DeepSpeed's CPU Adam by default; SGD on the host partitions needs this engine option.
 TORCH_OPTIMIZER_ON_HOST = {"zero_force_ds_cpu_optimizer": False}
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightscale.parallel.moe import MoE, MoEConfig
+
 
 @dataclass
 class GPTConfig:
@@ -34,6 +36,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     tie_weights: bool = True
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward layers (lightscale/parallel/moe.py)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -137,12 +140,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attention = Attention(config)
         self.ffn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.feed_forward = FeedForward(config)
+        moe = config.moe is not None and config.moe.is_moe_layer(index)
+        self.feed_forward: nn.Module = (
+            MoE(config.n_embd, config.moe, out_std=residual_std(config)) if moe else FeedForward(config)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -159,7 +165,7 @@ class GPT(nn.Module):
         self.pos_embeddings = Embedding(config.block_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         # A ModuleDict keyed "0", "1", ... lets pipeline stages delete layers and keep the original FQNs.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layer)})
         self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.output = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -198,8 +204,14 @@ class GPT(nn.Module):
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: 6N + 12 * L * d * T (forward + backward; PaLM paper, appendix B).
 
-    N is the non-embedding parameter count (the untied output head counts: it is a matmul per token).
+    N is the non-embedding parameter count of the parameters a token uses (the untied output head counts: it is a
+    matmul per token; of each MoE layer's routed experts only top_k of n_experts).
     """
     with torch.device("meta"):  # counts shapes only, so even a 100B config allocates nothing
-        n = GPT(config).num_params(exclude_embeddings=True)
+        model = GPT(config)
+    n = model.num_params(exclude_embeddings=True)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            idle = 1 - module.config.top_k / module.config.n_experts
+            n -= round(idle * sum(p.numel() for p in module.experts.parameters()))
     return 6 * n + 12 * config.n_layer * config.n_embd * config.block_size

@@ -13,18 +13,27 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.tensor_parallel import TPPlan
 from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
-from lightscale.recipes.gpt.parallelize import gpt_stage_modules, gpt_tp_plan, validate_gpt_parallel, validate_gpt_plan
+from lightscale.recipes.gpt.parallelize import (
+    gpt_stage_modules,
+    gpt_tp_plan,
+    validate_gpt_moe,
+    validate_gpt_parallel,
+    validate_gpt_plan,
+)
 
-allow_in_checkpoints(GPTConfig)  # saved in hyper-parameters; a plain dataclass, safe to load weights-only
+allow_in_checkpoints(GPTConfig, MoEConfig)  # saved in hyper-parameters; a plain dataclass, safe to load weights-only
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -82,7 +91,47 @@ class GPTModule(pl.LightningModule):
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
-        return self.loss_fn(self(tokens), targets)
+        loss = self.loss_fn(self(tokens), targets)
+        # The MoE balancing losses train the router; evaluation reports the language-model loss alone.
+        return loss + self.moe_aux_loss() if self.config.moe is not None and self.training else loss
+
+    # ---- mixture of experts ----------------------------------------------------------------------------------
+    def moe_slots(self) -> list[MoE | None]:
+        """Every MoE layer of the config in order; ``None`` where this rank's pipeline stages lack the layer."""
+        assert self.model is not None and self.config.moe is not None
+        indices = [i for i in range(self.config.n_layer) if self.config.moe.is_moe_layer(i)]
+        layers = {name: layer for name, layer in self.model.layers.items() if layer is not None}
+        return [layers[str(i)].feed_forward if str(i) in layers else None for i in indices]
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """The balancing and z-losses of the last forward (zero under ``balance: bias`` without a z-loss)."""
+        losses = [layer.aux_loss for layer in self.moe_slots() if layer is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def _log_moe(self) -> None:
+        """Tokens per expert (max/mean, and a TensorBoard histogram), dropped fraction and aux loss, per MoE layer."""
+        histogram = self.trainer.global_step % self.trainer.log_every_n_steps == 0
+        for index, layer in enumerate(self.moe_slots()):
+            if layer is not None:
+                routed = float(layer.counts.sum())
+                self.log(f"moe/layer{index}/max_over_mean", load_imbalance(layer.counts))
+                self.log(f"moe/layer{index}/dropped_fraction", layer.dropped / max(routed, 1.0))
+                if histogram:
+                    self._log_expert_histogram(f"moe/layer{index}/tokens_per_expert", layer.counts)
+        self.log("moe/aux_loss", self.moe_aux_loss())
+
+    def _log_expert_histogram(self, tag: str, counts: torch.Tensor) -> None:
+        experts = torch.repeat_interleave(torch.arange(len(counts)), counts.long())
+        edges = np.arange(len(counts) + 1) - 0.5  # one bin per expert
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_histogram(tag, experts, self.global_step, bins=edges)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        moe = self.config.moe
+        if moe is not None and moe.balance == "bias":  # once per optimizer step: accumulation does not change it
+            update_router_biases(self.moe_slots(), n_experts=moe.n_experts)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,10 +146,11 @@ class GPTModule(pl.LightningModule):
         return [layer for layer in self.model.layers.values() if layer is not None]  # a stage holds some
 
     def tp_plan(self, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
-        return gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, config=self.config)
 
     def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
         validate_gpt_parallel(self.config, tp=tp, num_stages=num_stages)
+        validate_gpt_moe(self.config, tp=tp, num_stages=num_stages)
         if tp > 1:
             validate_gpt_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
@@ -115,6 +165,8 @@ class GPTModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        if self.config.moe is not None:
+            self._log_moe()
         return loss
 
     @override

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -34,8 +35,11 @@ from lightscale.parallel.tensor_parallel import TPPlan, validate_tp_plan
 from lightscale.recipes.gpt.model import GPT, GPTConfig
 
 
-def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> TPPlan:
-    """The GPT plan: module-name pattern -> ParallelStyle (see the module docstring)."""
+def gpt_tp_plan(
+    *, sequence_parallel: bool = True, loss_parallel: bool = True, config: GPTConfig | None = None
+) -> TPPlan:
+    """The GPT plan: module-name pattern -> ParallelStyle (see the module docstring). With ``config.moe`` the MoE
+    layers get :func:`moe_tp_styles` and the dense MLPs are named one by one."""
     seq = Shard(1)  # activations between blocks: [batch, sequence, hidden], sharded on the sequence under SP
     between = seq if sequence_parallel else Replicate()
     positions = Shard(0) if sequence_parallel else Replicate()  # positions are [T] -> [T, D]: sequence is dim 0
@@ -46,8 +50,6 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=between),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=between),
         "output": ColwiseParallel(
             input_layouts=between,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -58,7 +60,14 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
     # gradients as one pending (Partial) DTensor, reduced once per module instead of once per wq/wk/wv (Megatron's
     # count). Under SP this is also where the sequence shards are gathered for the causal attention.
     gather = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False)
-    plan |= {"layers.*.attention": gather, "layers.*.feed_forward": gather}
+    plan |= {"layers.*.attention": gather}
+    moe = config.moe if config is not None else None
+    if moe is None:
+        plan |= _mlp_styles("layers.*.feed_forward", between, gather)
+    else:
+        for i in range(config.n_layer):
+            name = f"layers.{i}.feed_forward"
+            plan |= moe_tp_styles(name, between) if moe.is_moe_layer(i) else _mlp_styles(name, between, gather)
     if sequence_parallel:
         plan |= {
             "layers.*.attention_norm": SequenceParallel(),
@@ -66,6 +75,31 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
             "norm": SequenceParallel(),
         }
     return plan
+
+
+def _mlp_styles(name: str, between: Placement, gather: PrepareModuleInput) -> TPPlan:
+    return {
+        f"{name}.w1": ColwiseParallel(),
+        f"{name}.w2": RowwiseParallel(output_layouts=between),
+        name: gather,
+    }
+
+
+def moe_tp_styles(name: str, between: Placement) -> TPPlan:
+    """An MoE layer under tensor parallelism runs whole on every tp rank (its experts are not split over tp; they
+    may be over ep): its input is gathered to the full sequence as a plain tensor, and its output, the same on
+    every tp rank, is handed back as this rank's sequence shard. Its gradients are then the same on every tp rank:
+    no reduction over tp is needed, as for any replicated weight."""
+    return {
+        name: PrepareModuleInputOutput(
+            input_layouts=(between,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(between,),
+            use_local_output=True,
+        )
+    }
 
 
 def validate_gpt_parallel(config: GPTConfig, *, tp: int, num_stages: int) -> None:
@@ -91,11 +125,24 @@ def validate_gpt_parallel(config: GPTConfig, *, tp: int, num_stages: int) -> Non
         gpt_stage_modules(config, num_stages)  # raises for layers that do not divide into stages
 
 
+def validate_gpt_moe(config: GPTConfig, *, tp: int, num_stages: int) -> None:
+    """MoE layers: losses the pipeline's loss_fn cannot see."""
+    moe = config.moe
+    if moe is None:
+        return
+    if num_stages > 1 and (moe.balance == "aux_loss" or moe.z_loss_coef):
+        raise ConfigurationError(
+            "Under pipeline parallelism the loss is computed from the last stage's output only, so the MoE "
+            "auxiliary and z-losses of earlier stages would be lost: use balance: bias (no loss) with pp > 1."
+        )
+
+
 def validate_gpt_plan(config: GPTConfig, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Check the plan's patterns against the model's module names (built on the meta device: no memory)."""
     with torch.device("meta"):
         model = GPT(config)
-    validate_tp_plan(model, gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+    plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, config=config)
+    validate_tp_plan(model, plan)
 
 
 def gpt_stage_modules(config: GPTConfig, num_stages: int) -> list[list[str]]:
@@ -117,6 +164,6 @@ def parallelize_gpt(
     For scripts and benchmarks outside Lightning; the strategies reach the same function through GPTModule's
     hooks. ``mesh`` has the axes of :meth:`ParallelDims.build_mesh`; axes of size 1 are skipped.
     """
-    plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, config=model.config)
     units = [layer for layer in model.layers.values() if layer is not None]
     return parallelize_model(model, mesh, units=units, options=options or ParallelizeOptions(), tp_plan=plan)
