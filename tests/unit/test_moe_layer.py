@@ -124,3 +124,21 @@ def test_tp_plan_names_dense_and_moe_layers(moe_every: int) -> None:
 def test_expert_parallel_ranks_have_their_own_data() -> None:
     dims = ParallelDims(world_size=8, dp_shard=2, ep=2, tp=2)
     assert dims.data_shards == 4 and dims.dp == 2
+
+
+def test_aux_loss_falls_to_its_floor_from_a_router_that_favours_one_expert() -> None:
+    torch.manual_seed(0)
+    layer = MoE(16, MoEConfig(n_experts=4, top_k=2, balance="aux_loss", aux_loss_coef=1.0))
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 0.1  # inputs have mean 1: expert 0 is every token's first choice
+    optimizer = torch.optim.Adam(layer.router.parameters(), lr=0.01)
+    losses = []
+    for _ in range(60):
+        layer(torch.randn(8, 16, 16) + 1.0)
+        optimizer.zero_grad()
+        layer.aux_loss.backward()
+        optimizer.step()
+        losses.append(layer.aux_loss.item())
+    assert losses[0] > 1.4  # E * sum f * P well above the floor of 1 (the coefficient)
+    assert max(losses[-10:]) < 1.02  # within the sampling noise of f on 128 tokens
