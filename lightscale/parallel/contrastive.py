@@ -144,7 +144,7 @@ def siglip_loss(
     group: ProcessGroup | None,
     pad_to: int | None = None,
 ) -> Tensor:
-    """Sigmoid loss (SigLIP, Zhai et al. 2023): every image against every text, ``-1/N Σ_ij log σ(z_ij s_ij)``.
+    """Sigmoid loss (SigLIP, Zhai et al. 2023): every image against every text, ``-1/N Σ_ij log sigmoid(z_ij s_ij)``.
 
     Only the text features are gathered; this rank scores its ``n`` images against all ``N`` texts, so each pair
     is scored on exactly one rank. Returns this rank's share, as :func:`clip_loss` does.

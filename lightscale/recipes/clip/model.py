@@ -4,11 +4,11 @@ a learnable temperature.
 The text tower reads the GPT recipe's byte tokens (0 pads; a caption's features are read at its last byte, which
 the causal attention lets see the whole caption). Both embeddings are L2-normalized; the logit scale is learned in
 log space from ``log(1/0.07)`` and clamped at ``log(100)`` as CLIP does (in forward, so no optimizer hook is needed).
-``logit_bias`` exists for the SigLIP loss (initialized at -10 as in the paper).
+``logit_bias`` exists for the SigLIP loss only (``init_logit_bias``; the SigLIP module sets -10 as the paper).
 
 Example:
     >>> model = CLIP(CLIPConfig())
-    >>> image, text = model(torch.zeros(4, 1, 8, 8), torch.ones(4, 32, dtype=torch.long))
+    >>> image, text, scale, bias = model(torch.zeros(4, 1, 8, 8), torch.ones(4, 32, dtype=torch.long))
     >>> image.shape, text.shape
     (torch.Size([4, 32]), torch.Size([4, 32]))
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class CLIPConfig:
     embed_dim: int = 32
     init_logit_scale: float = math.log(1 / 0.07)
     max_logit_scale: float = math.log(100.0)
-    init_logit_bias: float = -10.0
+    init_logit_bias: float | None = None  # SigLIP's learnable bias (its paper: -10); None: no bias parameter
 
     def __post_init__(self) -> None:
         if self.vision.num_classes:
@@ -70,8 +71,8 @@ class TextTransformer(nn.Module):
         self.config = config
         self.tok_embeddings = Embedding(config.vocab_size, config.n_embd)
         self.pos_embeddings = Embedding(config.context_length, config.n_embd)
-        blocks = {str(i): Block(config.n_embd, config.n_head, config.n_layer, causal=True) for i in range(config.n_layer)}
-        self.layers = nn.ModuleDict(blocks)
+        width, heads, depth = config.n_embd, config.n_head, config.n_layer
+        self.layers = nn.ModuleDict({str(i): Block(width, heads, depth, causal=True) for i in range(depth)})
         self.norm = nn.LayerNorm(config.n_embd)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,13 @@ class TextTransformer(nn.Module):
         return h[torch.arange(len(tokens), device=tokens.device), last]
 
 
+class CLIPOutput(NamedTuple):
+    image: torch.Tensor | None  # [B, embed_dim], L2-normalized
+    text: torch.Tensor | None
+    logit_scale: torch.Tensor  # exp(clamped logit_scale), shape [1]
+    logit_bias: torch.Tensor | None  # shape [1]; SigLIP only
+
+
 class CLIP(nn.Module):
     """Two towers into one normalized space; ``forward`` embeds images, captions or both (the FSDP root's hooks
     run on every call, so zero-shot prompts go through ``forward`` too)."""
@@ -93,7 +101,8 @@ class CLIP(nn.Module):
         self.config = config = config or CLIPConfig()
         # Shape [1], not a scalar: FSDP2 and ZeRO-3 shard along dim 0.
         self.logit_scale = nn.Parameter(torch.empty(1))
-        self.logit_bias = nn.Parameter(torch.empty(1))
+        # Only for the SigLIP loss: a parameter the loss never uses would get no gradient (an error under DDP).
+        self.logit_bias = nn.Parameter(torch.empty(1)) if config.init_logit_bias is not None else None
         self.reset_parameters()
         self.vision = ViT(config.vision)
         self.text = TextTransformer(config.text)
@@ -103,7 +112,8 @@ class CLIP(nn.Module):
     def reset_parameters(self) -> None:
         """This module's own parameters only (the towers own theirs); constants, so no RNG draw."""
         nn.init.constant_(self.logit_scale, self.config.init_logit_scale)
-        nn.init.constant_(self.logit_bias, self.config.init_logit_bias)
+        if self.logit_bias is not None:
+            nn.init.constant_(self.logit_bias, self.config.init_logit_bias)
 
     def init_weights(self) -> None:
         for module in self.modules():
@@ -120,12 +130,13 @@ class CLIP(nn.Module):
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.text_proj(self.text(tokens)), dim=-1)
 
-    def forward(
-        self, images: torch.Tensor | None = None, tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, images: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> CLIPOutput:
+        """Embeddings of ``images`` and/or ``tokens``, and the temperature and bias as computed tensors: under
+        ZeRO-3 a parameter is whole only inside its module's forward, so the loss reads them from here."""
         image = self.encode_image(images) if images is not None else None
         text = self.encode_text(tokens) if tokens is not None else None
-        return image, text
+        bias = self.logit_bias.clone() if self.logit_bias is not None else None
+        return CLIPOutput(image, text, self.scale(), bias)
 
 
 def flops_per_pair(config: CLIPConfig) -> int:

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,7 +25,7 @@ from lightscale.parallel.contrastive import clip_loss, data_parallel_group, sigl
 from lightscale.parallel.tensor_parallel import TPPlan
 from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.clip.data import TEMPLATES, caption, tokenize
-from lightscale.recipes.clip.model import CLIP, CLIPConfig, TextConfig, flops_per_pair
+from lightscale.recipes.clip.model import CLIP, CLIPConfig, CLIPOutput, TextConfig, flops_per_pair
 from lightscale.recipes.vit.data import DIGIT_NAMES
 from lightscale.recipes.vit.model import ViTConfig
 from lightscale.recipes.vit.module import adamw_with_schedule, random_shift
@@ -67,11 +68,14 @@ class CLIPModule(pl.LightningModule):
             raise ValueError("need learning_rate > 0 and weight_decay, warmup_steps, max_shift >= 0")
         self.save_hyperparameters()
         self.config = config or CLIPConfig()
+        if loss == "siglip" and self.config.init_logit_bias is None:
+            self.config = dataclasses.replace(self.config, init_logit_bias=-10.0)  # the SigLIP paper's init
         self.model: CLIP | None = None  # built in configure_model, inside the strategy's init context
         self.class_names = list(class_names or DIGIT_NAMES)
         self.templates = list(templates or TEMPLATES)
         self.flops_per_pair = flops_per_pair(self.config)
         self.flops_per_batch: int = self.flops_per_pair
+        self.last_logit_scale = torch.ones(1)
 
     @override
     def configure_model(self) -> None:
@@ -79,9 +83,7 @@ class CLIPModule(pl.LightningModule):
             self.model = CLIP(self.config)
 
     @override
-    def forward(
-        self, images: torch.Tensor | None = None, tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, images: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> CLIPOutput:
         assert self.model is not None, "call configure_model() first (Trainer does)"
         return self.model(images, tokens)
 
@@ -89,18 +91,20 @@ class CLIPModule(pl.LightningModule):
         trainer = self._trainer
         return data_parallel_group(trainer.strategy) if trainer is not None else None
 
-    def contrastive_loss(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def contrastive_loss(self, out: CLIPOutput) -> torch.Tensor:
         """This rank's share of the global-batch loss (the mean over data-parallel ranks is the global loss)."""
-        assert self.model is not None
-        scale, group, pad_to = self.model.scale(), self.group(), self.hparams.pad_to
+        assert out.image is not None and out.text is not None
+        group, pad_to = self.group(), self.hparams.pad_to
         if self.hparams.loss == "siglip":
-            return siglip_loss(image, text, scale, self.model.logit_bias, group=group, pad_to=pad_to)
-        return clip_loss(image, text, scale, group=group, pad_to=pad_to)
+            assert out.logit_bias is not None
+            return siglip_loss(out.image, out.text, out.logit_scale, out.logit_bias, group=group, pad_to=pad_to)
+        return clip_loss(out.image, out.text, out.logit_scale, group=group, pad_to=pad_to)
 
     def loss(self, batch: Batch, *, augment: bool = False) -> torch.Tensor:
         images, tokens, _ = batch
-        image, text = self(random_shift(images, self.hparams.max_shift) if augment else images, tokens)
-        return self.contrastive_loss(image, text)
+        out = self(random_shift(images, self.hparams.max_shift) if augment else images, tokens)
+        self.last_logit_scale = out.logit_scale.detach()
+        return self.contrastive_loss(out)
 
     # ---- the model contract (lightscale/parallel/contract.py) ------------------------------------------------
     def sharding_units(self) -> list[nn.Module]:
@@ -138,8 +142,7 @@ class CLIPModule(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch, augment=True)
         self.log("train/loss", loss, prog_bar=True)
-        assert self.model is not None
-        self.log("train/logit_scale", self.model.scale().detach().float().mean())
+        self.log("train/logit_scale", self.last_logit_scale.float().mean())
         return loss
 
     def prompt_tokens(self, device: torch.device) -> torch.Tensor:
@@ -151,8 +154,10 @@ class CLIPModule(pl.LightningModule):
         images, tokens, labels = batch
         n = len(tokens)
         # One call embeds the captions and the zero-shot prompts: each call is a full gather under FSDP/ZeRO-3.
-        image, text = self(images, torch.cat([tokens, self.prompt_tokens(tokens.device)]))
-        loss = self.contrastive_loss(image, text[:n])
+        out = self(images, torch.cat([tokens, self.prompt_tokens(tokens.device)]))
+        image, text = out.image, out.text
+        assert image is not None and text is not None
+        loss = self.contrastive_loss(out._replace(text=text[:n]))
         self.log("val/loss", loss, sync_dist=True, batch_size=n)
         classes = text[n:].view(len(self.class_names), len(self.templates), -1).mean(dim=1)  # prompt ensemble
         predictions = (image @ F.normalize(classes, dim=-1).T).argmax(dim=-1)

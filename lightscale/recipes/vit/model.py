@@ -139,7 +139,9 @@ class Attention(nn.Module):
         self.head_dim = dim // n_head
         self.causal = causal
         residual = 0.02 / math.sqrt(2 * n_layer)
-        self.wq, self.wk, self.wv = (Linear(dim, dim, bias=True) for _ in range(3))
+        self.wq, self.wv = Linear(dim, dim, bias=True), Linear(dim, dim, bias=True)
+        # No key bias: it adds q.b to every score of a query, which softmax cancels (its gradient is exactly 0).
+        self.wk = Linear(dim, dim, bias=False)
         self.wo = Linear(dim, dim, bias=True, std=residual)
         self.dropout = dropout
 
