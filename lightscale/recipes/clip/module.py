@@ -4,7 +4,7 @@ The loss gathers features over the data-parallel group of whatever strategy trai
 with gradient; lightscale/parallel/contrastive.py explains why the gradients are exact under every strategy).
 
 Example:
-    >>> module = CLIPModule(CLIPConfig(), loss="clip", learning_rate=2e-3)
+    >>> module = CLIPModule(CLIPConfig(), loss="clip", learning_rate=5e-4)
     >>> lightscale.Trainer(strategy="zero2", accelerator="cpu", devices=2, max_steps=400).fit(
     ...     module, CLIPDataModule(batch_size=64))
 """
@@ -51,12 +51,12 @@ class CLIPModule(pl.LightningModule):
         config: CLIPConfig | None = None,
         *,
         loss: Literal["clip", "siglip"] = "clip",
-        learning_rate: float = 2e-3,
+        learning_rate: float = 5e-4,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.98),
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.05,
-        max_shift: int = 1,
+        max_shift: int = 0,
         pad_to: int | None = None,
         class_names: list[str] | None = None,
         templates: list[str] | None = None,

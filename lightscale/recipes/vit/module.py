@@ -1,7 +1,7 @@
 """LightningModule for the ViT recipe: image classification with accuracy, AdamW, warmup + cosine learning rate.
 
 Example:
-    >>> module = ViTModule(ViTConfig.named("small"), learning_rate=2e-3)
+    >>> module = ViTModule(ViTConfig.named("small"), learning_rate=3e-3)
     >>> lightscale.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, max_steps=300).fit(
     ...     module, ImageDataModule(batch_size=64))
 """
@@ -66,12 +66,12 @@ class ViTModule(pl.LightningModule):
         self,
         config: ViTConfig | None = None,
         *,
-        learning_rate: float = 2e-3,
+        learning_rate: float = 3e-3,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.05,
-        max_shift: int = 1,
+        max_shift: int = 0,
         label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
