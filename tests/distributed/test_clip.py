@@ -150,9 +150,9 @@ def test_clip_loss_is_exact_under_every_strategy(name: str, tmp_path: Any) -> No
     assert_exact(*compare(name, "clip", str(tmp_path), RANKS.get(name, 2)))
 
 
-@pytest.mark.parametrize("name", ["bucketed_ddp", "zero2", "fsdp2"])
+@pytest.mark.parametrize("name", ["bucketed_ddp", "zero2", "zero3", "fsdp2", "hsdp"])
 def test_siglip_loss_is_exact(name: str, tmp_path: Any) -> None:
-    assert_exact(*compare(name, "siglip", str(tmp_path)))
+    assert_exact(*compare(name, "siglip", str(tmp_path), RANKS.get(name, 2)))
 
 
 @pytest.mark.parametrize("name", ["bucketed_ddp", "fsdp2"])
