@@ -40,6 +40,9 @@ def test_digits_default_split_and_shapes() -> None:
     images, labels = next(iter(dm.train_dataloader()))
     assert images.shape == (16, 1, 12, 12) and labels.dtype == torch.int64
     assert images.min() >= -1 and images.max() <= 1
+    rgb = ImageDataModule(batch_size=4, channels=3)  # grey digits repeated for a 3-channel model
+    rgb.setup("fit")
+    assert next(iter(rgb.train_dataloader()))[0].shape == (4, 3, 8, 8)
 
 
 def test_fit_size_pads_or_upsamples() -> None:

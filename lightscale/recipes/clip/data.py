@@ -144,7 +144,7 @@ class CLIPDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.caption_file is None:
             images, labels = load_digits_tensors()
-            images = normalize(fit_size(images, self.image_size, self.resize))
+            images = normalize(fit_size(images, self.image_size, self.resize)).repeat(1, self.channels, 1, 1)
             train, val = split_indices(len(labels), self.val_fraction, self.seed)
             self.train_set = DigitCaptions(images[train], labels[train], context_length=self.context_length,
                                            seed=self.seed)  # fmt: skip

@@ -96,9 +96,11 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
     return order[n_val:], order[:n_val]
 
 
-def digits_split(image_size: int, resize: Literal["pad", "upsample"], val_fraction: float, seed: int):
+def digits_split(
+    image_size: int, channels: int, resize: Literal["pad", "upsample"], val_fraction: float, seed: int
+) -> tuple[TensorDataset, TensorDataset]:
     images, labels = load_digits_tensors()
-    images = normalize(fit_size(images, image_size, resize))
+    images = normalize(fit_size(images, image_size, resize)).repeat(1, channels, 1, 1)  # grey to `channels`
     train, val = split_indices(len(labels), val_fraction, seed)
     return TensorDataset(images[train], labels[train]), TensorDataset(images[val], labels[val])
 
@@ -158,7 +160,9 @@ class ImageDataModule(pl.LightningDataModule):
     @override
     def setup(self, stage: str) -> None:
         if self.image_folder is None:
-            self.train_set, self.val_set = digits_split(self.image_size, self.resize, self.val_fraction, self.seed)
+            self.train_set, self.val_set = digits_split(
+                self.image_size, self.channels, self.resize, self.val_fraction, self.seed
+            )
             return
         train = ImageFolder(self.image_folder, image_size=self.image_size, channels=self.channels)
         self.classes = train.classes
