@@ -6,7 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["bench_ddp.py", "bench_zero.py", "bench_cpu_adam.py", "bench_fsdp2.py", "bench_3d.py", "bench_moe.py"]
+BENCHMARKS = [
+    "bench_ddp.py",
+    "bench_zero.py",
+    "bench_cpu_adam.py",
+    "bench_fsdp2.py",
+    "bench_3d.py",
+    "bench_moe.py",
+    "bench_clip.py",
+]
 
 
 def main() -> int:

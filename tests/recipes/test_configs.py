@@ -11,6 +11,12 @@ from lightscale.strategies import LightscaleStrategy
 def test_configs_are_packaged() -> None:
     assert {"gpt/tiny_ddp.yaml", "gpt/small_ddp.yaml", "gpt/gpt2-124m_ddp.yaml"} <= set(packaged_configs())
     assert {"gpt/small_zero3_offload.yaml", "gpt/tiny_zero3_offload.yaml"} <= set(packaged_configs())
+    for recipe in ("vit", "clip"):
+        names = {f"{recipe}/{size}_{strategy}.yaml" for size in ("tiny", "small") for strategy in RECIPE_STRATEGIES}
+        assert names <= set(packaged_configs())
+
+
+RECIPE_STRATEGIES = ("ddp", "zero2", "zero3_offload", "fsdp2", "3d")
 
 
 @pytest.mark.parametrize("name", packaged_configs())
@@ -20,6 +26,26 @@ def test_config_builds(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> 
     monkeypatch.setenv("LOCAL_RANK", "0")
     cli = build_cli(["--config", resolve_config(name), "--trainer.accelerator", "cpu"], run=False)
     assert isinstance(cli.trainer.strategy, LightscaleStrategy)
-    model_block = cli.model.config.block_size
-    assert cli.datamodule.block_size == model_block, "data windows must fit the model's context"
-    assert cli.model.config.vocab_size >= cli.datamodule.tokenizer.vocab_size
+    CHECKS[name.partition("/")[0]](cli.model, cli.datamodule)
+
+
+def check_gpt(model, data) -> None:
+    assert data.block_size == model.config.block_size, "data windows must fit the model's context"
+    assert model.config.vocab_size >= data.tokenizer.vocab_size
+
+
+def check_vit(model, data) -> None:
+    check_images(model.config, data)
+
+
+def check_images(config, data) -> None:
+    assert data.image_size == config.image_size, "images must have the size the patch grid expects"
+    assert data.channels == config.channels
+
+
+def check_clip(model, data) -> None:
+    check_images(model.config.vision, data)  # the image tower reads the same images
+    assert data.context_length == model.config.text.context_length, "captions must fit the text tower's context"
+
+
+CHECKS = {"gpt": check_gpt, "vit": check_vit, "clip": check_clip}
