@@ -1,4 +1,4 @@
-"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule, estimate.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -156,7 +156,14 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export-zero": partial(export, format="zero"),
     "export-fsdp2": partial(export, format="fsdp2"),
     "schedule": lambda args: draw_schedule_command(args),
+    "estimate": lambda args: _estimate_command(args),
 }
+
+
+def _estimate_command(args: list[str]) -> None:
+    from lightscale.estimate.report import estimate_command
+
+    estimate_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:
