@@ -31,7 +31,7 @@ from lightscale.estimate.activations import (
 )
 from lightscale.estimate.layout import Layout, layout_of
 from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states
-from lightscale.estimate.parameters import rank_parameter_sizes
+from lightscale.estimate.parameters import rank_parameter_sizes, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
 
@@ -84,12 +84,13 @@ def estimate_memory(
     batch: Any = None,
     activation_checkpointing: str | None = None,
     optimizer_states: int = 2,
+    activations: bool = True,
 ) -> MemoryEstimate:
     """Estimate one rank's memory for ``module`` trained under ``strategy`` on ``world_size`` ranks.
 
     ``module`` may be unbuilt: ``configure_model()`` runs on the meta device. ``batch`` is one example batch (only
     needed when the module declares no ``transformer_shape()``). ``activation_checkpointing`` overrides the
-    strategy's mode; ``optimizer_states`` is 2 for Adam.
+    strategy's mode; ``optimizer_states`` is 2 for Adam; ``activations=False`` skips them (model states only).
     """
     layout = strategy if isinstance(strategy, Layout) else layout_of(strategy, world_size=world_size)
     if activation_checkpointing is not None:
@@ -97,19 +98,21 @@ def estimate_memory(
     build_on_meta(module)
     sizes = rank_parameter_sizes(module, layout)
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
-    states = model_states(sizes, layout, per)
-    activations, source = _activations(module, layout, precision, micro_batch, seq_len, batch)
+    states = model_states(sizes, layout, per, extra_gradient_elements=whole_gradient_elements(module, layout))
+    saved, source = 0.0, "not estimated"
+    if activations:
+        saved, source = _activations(module, layout, precision, micro_batch, seq_len, batch)
     return MemoryEstimate(
         strategy=layout.name,
         world_size=layout.world_size,
         precision=precision,
         micro_batch=micro_batch,
-        num_params=sum(p.numel() for p in module.parameters()),
+        num_params=sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters()),
         rank_params=sum(sizes),
         parameters=states.parameters,
         gradients=states.gradients,
         optimizer=states.optimizer,
-        activations=Placed(device=activations),
+        activations=Placed(device=saved),
         activation_source=source,
         activation_checkpointing=layout.activation_checkpointing,
     )

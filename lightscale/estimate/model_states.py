@@ -84,7 +84,9 @@ def zero_stage_bytes(num_params: int, *, world_size: int, stage: int, per: PerPa
     return sum(num_params * b / (world_size if s else 1) for b, s in zip(parts, shards, strict=True))
 
 
-def model_states(sizes: Sequence[int], layout: Layout, per: PerParameter) -> ModelStates:
+def model_states(
+    sizes: Sequence[int], layout: Layout, per: PerParameter, *, extra_gradient_elements: int = 0
+) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state one rank holds, given its parameter tensors' sizes
     (after tensor and pipeline splits: see :func:`~lightscale.estimate.parameters.rank_parameter_sizes`)."""
     n = layout.dp_shard
@@ -92,7 +94,7 @@ def model_states(sizes: Sequence[int], layout: Layout, per: PerParameter) -> Mod
     sharded = sum(math.ceil(size / n) for size in sizes)  # dim-0 chunks: the first ranks get the rounded-up size
     persistent = sum(size for size in sizes if size <= layout.persistence_threshold)
     params = (sharded + persistent if layout.shard_parameters else total) * per.parameters
-    grads = (sharded if layout.shard_gradients else total) * per.gradients
+    grads = ((sharded if layout.shard_gradients else total) + extra_gradient_elements) * per.gradients
     optim = (sharded if layout.shard_optimizer else total) * per.optimizer
     # Offloaded optimizers step on the host, so the (sharded) gradients they read live there too.
     grads_on_host = layout.offload_optimizer and layout.shard_gradients

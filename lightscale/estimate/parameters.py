@@ -30,9 +30,38 @@ def rank_parameter_sizes(module: nn.Module, layout: Layout) -> list[int]:
     for names in stages:
         seen: dict[int, int] = {}
         for pname, param in _parameters_of(network, names):
-            seen.setdefault(id(param), param.numel() // tp_divisor.get(pname, 1))
+            seen.setdefault(id(param), _numel(param) // tp_divisor.get(pname, 1))
         per_rank.append(list(seen.values()))
     return max(per_rank, key=sum)
+
+
+def whole_gradient_elements(module: nn.Module, layout: Layout) -> int:
+    """Elements by which gradients exceed their sharded parameters under tensor parallelism: DTensor's embedding
+    backward hands a row-wise (vocabulary-sharded) table its gradient replicated, and it stays so until the
+    optimizer step; a table tied to a column-wise head (GPT's token table) sums into the head's sharded one."""
+    if layout.tp == 1 or layout.dp_shard > 1:
+        return 0  # FSDP's reduce-scatter hands back the shard
+    network = network_of(module)
+    plan = tp_plan_of(module, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    colwise = {
+        id(network.get_submodule(name).weight)
+        for pattern, style in plan.items()
+        if isinstance(style, ColwiseParallel)
+        for name in matching_modules(network, pattern)
+    }
+    extra = 0
+    for pattern, style in plan.items():
+        if not isinstance(style, RowwiseParallel):
+            continue
+        for name in matching_modules(network, pattern):
+            sub = network.get_submodule(name)
+            if isinstance(sub, nn.Embedding) and id(sub.weight) not in colwise:
+                extra += sub.weight.numel() - sub.weight.numel() // layout.tp
+    return extra
+
+
+def _numel(param: nn.Parameter) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()  # a ZeRO-3 partitioned parameter is empty in place
 
 
 def _rank_modules(module: nn.Module, network: nn.Module, layout: Layout) -> list[list[str]]:
