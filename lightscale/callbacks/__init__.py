@@ -1,6 +1,7 @@
-"""Callbacks that do one thing each: run summary, memory by category."""
+"""Callbacks that do one thing each: run summary, memory by category, throughput and MFU."""
 
 from lightscale.callbacks.memory import MemoryProfiler
 from lightscale.callbacks.summary import RunSummary
+from lightscale.callbacks.throughput import Throughput
 
-__all__ = ["MemoryProfiler", "RunSummary"]
+__all__ = ["MemoryProfiler", "RunSummary", "Throughput"]

@@ -198,8 +198,10 @@ class GPT(nn.Module):
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: 6N + 12 * L * d * T (forward + backward; PaLM paper, appendix B).
 
-    N is the non-embedding parameter count (the untied output head counts: it is a matmul per token).
+    N is the non-embedding parameter count plus the output head, tied or not (it is a matmul per token).
     """
     with torch.device("meta"):  # counts shapes only, so even a 100B config allocates nothing
         n = GPT(config).num_params(exclude_embeddings=True)
+    if config.tie_weights:
+        n += config.vocab_size * config.n_embd  # the head shares the token table, which was just excluded
     return 6 * n + 12 * config.n_layer * config.n_embd * config.block_size
