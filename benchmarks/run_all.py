@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["bench_ddp.py", "bench_zero.py", "bench_cpu_adam.py", "bench_fsdp2.py", "bench_3d.py"]
+BENCHMARKS = ["bench_ddp.py", "bench_zero.py", "bench_cpu_adam.py", "bench_fsdp2.py", "bench_3d.py", "bench_memory.py"]
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,14 +61,16 @@ def read_run_config(cli_args: list[str], *, world_size: int | None) -> RunConfig
     from lightscale.cli import resolve_config_args
     from lightscale.trainer import Trainer
 
-    cli = _ConfigOnly(
-        trainer_class=Trainer,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=resolve_config_args(cli_args),
-        run=False,
-        save_config_callback=None,
-    )
+    with warnings.catch_warnings():  # "args and sys.argv both given": sys.argv holds our own subcommand
+        warnings.simplefilter("ignore")
+        cli = _ConfigOnly(
+            trainer_class=Trainer,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=resolve_config_args(cli_args),
+            run=False,
+            save_config_callback=None,
+        )
     trainer = cli.config_init["trainer"]
     devices = trainer.get("devices")
     ranks = (devices if isinstance(devices, int) and devices > 0 else 1) * (trainer.get("num_nodes") or 1)
