@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightscale.callbacks.memory_report import draw_timeline, estimate_for, write_oom_report
 from lightscale.estimate.core import MemoryEstimate
-from lightscale.model_state import model_state_bytes
+from lightscale.model_state import ModelStateBytes, model_state_bytes
 from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 
 log = logging.getLogger(__name__)
@@ -189,9 +189,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def _host(module: LightningModule, optimizers: Any) -> Any:
+def _host(module: LightningModule, optimizers: Any) -> ModelStateBytes:
     # On a machine without CUDA every byte is host memory; "host" then means nothing more.
-    return model_state_bytes(module, optimizers, device_type="cpu" if torch.cuda.is_available() else "none")
+    if not torch.cuda.is_available():
+        return ModelStateBytes(0, 0, 0)
+    return model_state_bytes(module, optimizers, device_type="cpu")
 
 
 def _step_done(trainer: Trainer, batch_idx: int) -> bool:
