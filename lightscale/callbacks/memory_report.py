@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightscale.estimate.core import CATEGORIES, MemoryEstimate, estimate_memory
 from lightscale.estimate.report import format_estimate, human
@@ -28,10 +30,26 @@ def estimate_for(trainer: Trainer, module: LightningModule, batch: Any, **overri
         "activations": callable(getattr(module, "transformer_shape", None)),  # no second forward of a live model
     }
     try:
-        return estimate_memory(module, overrides.pop("strategy", trainer.strategy), **{**kwargs, **overrides})
+        with _whole_network(trainer.strategy, module):
+            return estimate_memory(module, overrides.pop("strategy", trainer.strategy), **{**kwargs, **overrides})
     except Exception as error:  # an estimate is a help, never a reason to stop training
         log.info("lightscale: no memory estimate for this run (%s)", error)
         return None
+
+
+@contextmanager
+def _whole_network(strategy: Any, module: LightningModule) -> Iterator[None]:
+    """Under a pipeline ``module.model`` is this rank's stages; the plan's stage names refer to the whole network,
+    which parallel_3d keeps aside."""
+    network = getattr(strategy, "_network", None)
+    if network is None or not isinstance(getattr(module, "model", None), nn.Module):
+        yield
+        return
+    stages, module.model = module.model, network
+    try:
+        yield
+    finally:
+        module.model = stages
 
 
 def _batch_size(batch: Any) -> int:
