@@ -74,6 +74,11 @@ def layout_of(strategy: str | Strategy, *, world_size: int) -> Layout:
         "FSDP2Strategy": _fsdp2,
         "Parallel3DStrategy": _parallel_3d,
     }
+    if kind == "FitMemoryStrategy":
+        raise ConfigurationError(
+            "fit_memory chooses its strategy when training starts: `lightscale plan` prints the candidates and its "
+            "choice; estimate one of them by name (e.g. --trainer.strategy zero3)."
+        )
     if kind not in readers:
         raise ConfigurationError(f"No memory layout for {kind}; lightscale estimates {', '.join(readers)}.")
     return readers[kind](strategy, name, world_size)
