@@ -64,6 +64,16 @@ class CommMonitor(Callback):
         self.records.append(totals)
         self._log(trainer, pl_module, totals)
 
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._counter is not None:  # a fit that ended inside a measured step
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+
     def _log(self, trainer: Trainer, pl_module: LightningModule, totals: dict[str, Traffic]) -> None:
         n = _data_parallel(trainer)
         metrics: dict[str, float] = {}

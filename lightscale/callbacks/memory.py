@@ -161,6 +161,18 @@ class MemoryProfiler(Callback):
 
     # ---- end of fit and failures -----------------------------------------------------------------------------
     @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_counting()  # a fit that ended inside a measured step
+
+    def _stop_counting(self) -> None:
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self.plot and trainer.is_global_zero and self.all_ranks):
             return
@@ -171,11 +183,9 @@ class MemoryProfiler(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_counting()
         if not is_out_of_memory(exception):
             return
-        if self._saved is not None:
-            self._saved.__exit__(None, None, None)
-            self._saved = None
         assert self.out_dir is not None
         path = self.out_dir / f"oom_rank{trainer.global_rank}.txt"
         write_oom_report(path, trainer, pl_module, exception, self.estimate)

@@ -74,6 +74,16 @@ class Throughput(Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch:
             self._step_done(trainer, pl_module)
 
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._counter is not None:  # a fit that ended inside the counted micro-batch
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+
     def _step_done(self, trainer: Trainer, pl_module: LightningModule) -> None:
         now = _now(pl_module)
         elapsed = now - (self._step_start or now)
