@@ -158,8 +158,10 @@ def _alternatives(trainer: Trainer, module: LightningModule, estimate: MemoryEst
             activation_checkpointing=checkpointing,
             micro_batch=estimate.micro_batch,
         )
-        if other is not None:
+        if other is not None and other.device_total < estimate.device_total:
             label = strategy + (f" + {checkpointing} activation checkpointing" if checkpointing else "")
             lines.append(f"  {label} would hold {human(other.device_total)} here (now {human(estimate.device_total)})")
+    if not lines:
+        lines.append("  no other data-parallel strategy holds less here")
     lines.append("  or lower the micro-batch (activations scale with it) and raise accumulate_grad_batches")
     return lines

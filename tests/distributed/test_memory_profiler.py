@@ -50,25 +50,29 @@ def test_measured_matches_estimate(strategy: Any, activations: bool, corpus_cach
         assert (tmp_path / "memory.png").stat().st_size > 0
 
 
-def _fail_allocating(cache_dir: str, out_dir: str) -> str:
+def _fail_allocating(cache_dir: str, out_dir: str, how: str) -> str:
     profiler = MemoryProfiler(every_n_steps=1, out_dir=out_dir)
 
     class AllocateTooMuch(Callback):
         def on_before_backward(self, trainer: Any, *args: Any) -> None:
-            if trainer.global_step == 1:
-                torch.empty(2**50, dtype=torch.uint8)  # a petabyte: the host allocator refuses
+            if trainer.global_step != 1:
+                return
+            if how == "host allocation":
+                torch.empty(2**50, dtype=torch.uint8)  # a petabyte: the host allocator refuses (a RuntimeError)
+            raise MemoryError("injected")
 
     try:
         train_tiny_gpt("bucketed_ddp", devices=1, batch_size=2, max_steps=3, cache_dir=cache_dir,
                        extra_callbacks=[profiler, AllocateTooMuch()])  # fmt: skip
-    except RuntimeError as error:
-        return str(error)
+    except (RuntimeError, MemoryError) as error:
+        return f"{type(error).__name__}: {error}"
     return "no error"
 
 
-def test_out_of_memory_writes_a_report_then_reraises(corpus_cache: str, tmp_path: Path) -> None:
-    (error,) = run_distributed(_fail_allocating, corpus_cache, str(tmp_path), world_size=1)
-    assert "can't allocate memory" in error
+@pytest.mark.parametrize(("how", "error"), [("host allocation", "can't allocate memory"), ("MemoryError", "injected")])
+def test_out_of_memory_writes_a_report_then_reraises(how: str, error: str, corpus_cache: str, tmp_path: Path) -> None:
+    (raised,) = run_distributed(_fail_allocating, corpus_cache, str(tmp_path), how, world_size=1)
+    assert error in raised  # the original exception, unchanged
     report = (tmp_path / "oom_rank0.txt").read_text()
     assert "largest live tensors" in report and "parameter" in report
-    assert "zero3 would hold" in report and "estimate for this run" in report
+    assert "fsdp2 + full activation checkpointing would hold" in report and "estimate for this run" in report
