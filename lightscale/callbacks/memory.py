@@ -80,7 +80,7 @@ class MemoryProfiler(Callback):
     # ---- when to measure --------------------------------------------------------------------------------------
     def _measuring(self, trainer: Trainer) -> bool:
         every = self.every_n_steps or trainer.log_every_n_steps or 1
-        return trainer.global_step % every == 0
+        return trainer.global_step % every == 0 or trainer.global_step in self.snapshot_steps
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
