@@ -67,6 +67,8 @@ def transformer_activation_bytes(
     layers = shape.layers if layers is None else layers
     if layout.activation_checkpointing == "full":
         per_layer = s * b * h * e / sp  # each block's input, kept for its recompute
+    elif layout.activation_checkpointing == "selective":
+        per_layer = _selective_layer_bytes(shape, s=s, b=b, e=e, tp=t, sp=sp)
     else:
         per_layer = _layer_bytes(shape, s=s, b=b, e=e, tp=t, sp=sp)
     logits = 4 * s * b * shape.vocab_size / (t if layout.loss_parallel else 1)  # fp32 log-softmax output
@@ -92,6 +94,17 @@ def _layer_bytes(shape: TransformerShape, *, s: int, b: int, e: int, tp: int, sp
     else:
         extra += (a / tp) * s * s * b * (e + (1 + e if shape.dropout else 0))  # softmax (+ mask, dropout output)
     return elements * e + extra
+
+
+def _selective_layer_bytes(shape: TransformerShape, *, s: int, b: int, e: int, tp: int, sp: int) -> float:
+    """lightscale's selective policy (parallel/activation_checkpoint.py) keeps the block input and the outputs of
+    matmuls and attention: Q, K, V, the attention output (+ log-sum-exp), the output projection's, the MLP's two.
+    Row-parallel outputs are whole-size partial sums before their reduction, so TP does not divide them."""
+    h, a = shape.hidden, shape.heads
+    kv = shape.kv_heads or a
+    sharded = (1 + 2 * kv / a) + 1 + shape.ffn / h
+    elements = s * b * h * (1 / sp + sharded / tp + 2)
+    return elements * e + 4 * b * (a / tp) * s
 
 
 def pipeline_in_flight(layout: Layout) -> int:
