@@ -4,7 +4,8 @@
 subtracts it when the last saved reference dies, so ``peak`` is the most activation memory held at once, pipelines
 and gradient accumulation included. It runs on real tensors (the MemoryProfiler) and on meta tensors (the
 estimator's one-sample forward) alike. Activation checkpointing keeps a unit's inputs outside autograd's saved
-tensors: :func:`count_checkpoint_inputs` adds them through forward pre-hooks.
+tensors: :func:`count_checkpoint_inputs` adds them through forward pre-hooks, and lightscale's selective policy
+reports the outputs it keeps through :func:`note_kept`.
 
 Example:
     >>> with SavedTensors() as saved:
@@ -32,15 +33,17 @@ class SavedTensors:
         self.live = 0
         self.peak = 0
         self.weight_copies = 0  # casts of parameters autocast saves (counted apart: they are not activations)
-        self._held: dict[int, list[int]] = {}  # storage id -> [bytes, saved references alive]
+        self._held: dict[int, int] = {}  # storage id -> bytes, while the storage lives
         self._hooks: Any = None
 
     def __enter__(self) -> SavedTensors:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
         self._hooks = None
 
@@ -48,25 +51,20 @@ class SavedTensors:
         self.peak = self.live
 
     def add(self, tensor: Tensor) -> None:
-        """Count ``tensor``'s storage until ``tensor`` dies (once however many tensors share the storage)."""
+        """Count ``tensor``'s storage until the storage is freed (once however many tensors share it)."""
         storage = _local(tensor).untyped_storage()
         key = storage._cdata
-        entry = self._held.get(key)
-        if entry is None:
-            entry = self._held[key] = [storage.nbytes(), 0]
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        weakref.finalize(tensor, self._release, key)
+        if key in self._held:
+            return
+        self._held[key] = storage.nbytes()
+        self.live += self._held[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key)  # storages keep their Python object while alive
 
     def _release(self, key: int) -> None:
-        entry = self._held.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self._held[key]
+        nbytes = self._held.pop(key, None)
+        if nbytes is not None:
+            self.live -= nbytes
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if is_parameter(tensor):
@@ -76,6 +74,27 @@ class SavedTensors:
             return tensor
         self.add(tensor)
         return tensor
+
+
+_ACTIVE: list[SavedTensors] = []  # counters now counting (one per MemoryProfiler step, or an estimate)
+
+
+def note_kept(value: Any) -> None:
+    """Count tensors kept for backward outside saved-tensor hooks (selective checkpointing's cache)."""
+    if not _ACTIVE:
+        return
+    for tensor in _tensors(value):
+        if not is_parameter(tensor):
+            for counter in _ACTIVE:
+                counter.add(tensor)
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _unpack(tensor: Tensor) -> Tensor:

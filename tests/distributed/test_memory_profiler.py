@@ -35,10 +35,11 @@ def _profile(strategy: Any, cache_dir: str, out_dir: str) -> tuple[dict[str, flo
         ("zero2", False),  # activations as under bucketed_ddp: the same single-device forward
         ("zero3", False),
         (FSDP2Strategy(activation_checkpointing="full"), True),
+        (FSDP2Strategy(activation_checkpointing="selective"), True),
         ("tp2", True),  # sequence parallel
         (Parallel3DStrategy(tp=2, sequence_parallel=False), True),
     ],
-    ids=["bucketed_ddp", "zero2", "zero3", "fsdp2_full_ac", "tp2_sp", "tp2_no_sp"],
+    ids=["bucketed_ddp", "zero2", "zero3", "fsdp2_full_ac", "fsdp2_selective_ac", "tp2_sp", "tp2_no_sp"],
 )
 def test_measured_matches_estimate(strategy: Any, activations: bool, corpus_cache: str, tmp_path: Path) -> None:
     for measured, estimate in run_distributed(_profile, strategy, corpus_cache, str(tmp_path), world_size=2):

@@ -59,7 +59,7 @@ class Undeclared(GPTModule):
     transformer_shape = None
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_formula_matches_a_measured_forward(checkpointing: str) -> None:
     batch = (torch.zeros(4, 64, dtype=torch.long), torch.ones(4, 64, dtype=torch.long))
     kwargs = {"world_size": 1, "micro_batch": 4, "activation_checkpointing": checkpointing}
