@@ -6,7 +6,8 @@ What is measured, and when (every ``every_n_steps`` optimizer steps; nothing in 
       (lightscale/model_state.py: DTensor shards, DeepSpeed partitions, offloaded copies on the host);
     * activations: the peak bytes autograd saved during the step (lightscale/saved_tensors.py), pipelines and
       gradient accumulation included; activation checkpointing's kept inputs too;
-    * on CUDA, ``torch.cuda.max_memory_allocated`` of the step (``memory/peak``); on CPU the tracked sum.
+    * on CUDA, ``torch.cuda.max_memory_allocated`` of the step (``memory/peak``) and what it holds beyond the
+      categories above (``memory/temporaries``: gathered parameters, buffers, workspaces); on CPU the tracked sum.
 
 Logged as ``memory/<category>`` (the largest rank) and ``memory/rank<r>/<category>``; the estimate
 (lightscale/estimate/) is logged once as ``memory/estimate/<category>`` and drawn beside the timeline in
@@ -137,14 +138,17 @@ class MemoryProfiler(Callback):
         }
         tracked = sum(record[c] for c in CATEGORIES)
         record["peak"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else tracked
+        # On CUDA the rest of the peak: gathered parameters, communication buffers, workspaces, recompute.
+        record["temporaries"] = max(0, record["peak"] - tracked) if torch.cuda.is_available() else 0
         return record
 
     def _log(self, trainer: Trainer, record: dict[str, float]) -> None:
         per_rank = _gather(record)
         self.all_ranks.append(per_rank)
-        metrics = {f"memory/{c}": max(r[c] for r in per_rank) for c in (*CATEGORIES, "peak")}
+        logged = (*CATEGORIES, "temporaries", "peak")
+        metrics = {f"memory/{c}": max(r[c] for r in per_rank) for c in logged}
         for rank, values in enumerate(per_rank):
-            metrics |= {f"memory/rank{rank}/{c}": values[c] for c in (*CATEGORIES, "peak")}
+            metrics |= {f"memory/rank{rank}/{c}": values[c] for c in logged}
         if self.estimate is not None and len(self.all_ranks) == 1:
             metrics |= {f"memory/estimate/{c}": getattr(self.estimate, c).total for c in CATEGORIES}
         for logger in trainer.loggers:
