@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,11 +112,3 @@ def _size(value: Any) -> tuple[int, int]:
         sizes = [_size(item) for item in value if isinstance(item, (Tensor, list, tuple))]
         return sum(e for e, _ in sizes), sum(b for _, b in sizes)
     return 0, 0
-
-
-def by_kind(calls: Iterable[Collective]) -> dict[str, int]:
-    """Bytes per kind of ``calls``."""
-    totals: dict[str, int] = {}
-    for call in calls:
-        totals[call.kind] = totals.get(call.kind, 0) + call.bytes
-    return totals

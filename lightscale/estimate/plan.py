@@ -93,9 +93,9 @@ def format_plan(candidates: list[Candidate], *, budget: float) -> str:
 
 def plan_command(argv: list[str]) -> None:
     """``lightscale plan --config FILE [fit overrides] [--world-size N] --device-memory 80GiB``."""
-    from lightscale.estimate.report import _own_arguments, read_run_config
+    from lightscale.estimate.report import own_arguments, read_run_config
 
-    ours, rest = _own_arguments("lightscale plan", argv)
+    ours, rest = own_arguments("lightscale plan", argv)
     run = read_run_config(rest, world_size=ours.world_size)
     budget = ours.device_memory or device_budget()
     rows = plan(

@@ -105,7 +105,7 @@ def format_estimate(est: MemoryEstimate, *, device_memory: float | None = None) 
 
 def estimate_command(argv: list[str]) -> None:
     """``lightscale estimate --config FILE [fit overrides] [--world-size N] [--device-memory 80GiB] [--json]``."""
-    ours, rest = _own_arguments("lightscale estimate", argv)
+    ours, rest = own_arguments("lightscale estimate", argv)
     run = read_run_config(rest, world_size=ours.world_size)
     est = estimate_memory(
         run.module,
@@ -122,7 +122,7 @@ def estimate_command(argv: list[str]) -> None:
         print(format_estimate(est, device_memory=ours.device_memory))
 
 
-def _own_arguments(prog: str, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def own_arguments(prog: str, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog=prog, add_help=False)
     parser.add_argument("--world-size", type=int, default=None, help="ranks to simulate (default: the config's)")
     parser.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 80GiB")
