@@ -3,6 +3,7 @@ micro-batch's tokens and FLOPs count once per optimizer step, whether the module
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -61,3 +62,24 @@ def test_mfu_logged_on_cpu_and_accumulation_counted_once(module_class: type, cor
         assert tokens == samples * TINY.block_size
         tolerance = 0 if module_class is GPTModule else 0.05  # counted: flash attention's backward recompute
         assert flops == pytest.approx(flops_per_token * tokens, rel=tolerance)
+
+
+def _fit_pipeline(cache_dir: str) -> tuple[list[tuple[float, float, float]], int]:
+    config = dataclasses.replace(TINY, n_layer=4, tie_weights=False)
+    meter = Throughput()
+    trainer = lightscale.Trainer(
+        strategy="pp2", accelerator="cpu", devices=2, max_steps=3, logger=False, callbacks=[meter],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(GPTModule(config), GPTDataModule(block_size=config.block_size, batch_size=4, cache_dir=cache_dir))
+    return meter.totals, GPTModule(config).flops_per_token
+
+
+def test_pipeline_counts_each_batch_once(corpus_cache: str) -> None:
+    # pp2: both ranks run the same batch through their stages, 2 microbatches each: one data-parallel batch.
+    for totals, flops_per_token in run_distributed(_fit_pipeline, corpus_cache, world_size=2):
+        assert len(totals) == 2
+        for flops, tokens, samples in totals:
+            assert (samples, tokens) == (4, 4 * TINY.block_size)
+            assert flops == flops_per_token * tokens
