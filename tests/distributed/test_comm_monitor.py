@@ -2,10 +2,12 @@
 moves exactly 2Ψ(N-1)/N per rank; FSDP2 reduce-scatters every gradient once and gathers every parameter in
 forward and the blocks again in backward; DeepSpeed ZeRO-3 (nothing persistent) reduce-scatters Ψ and, the tiny
 model staying within its live-parameter budget from forward to backward, gathers Ψ once from the second step on.
-(The exact-count tests of bucketed_ddp, FSDP2 and parallel_3d count through the same CollectiveCounter.)"""
+Tensor parallel: each layer adds Megatron's 4·b·s·h per microbatch. (The exact-count tests of bucketed_ddp, FSDP2
+and parallel_3d count through the same CollectiveCounter.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from helpers import TINY, train_tiny_gpt
 from lightscale.callbacks import CommMonitor
 from lightscale.callbacks.comm import traffic_per_rank
 from lightscale.recipes.gpt import GPT
-from lightscale.strategies import ZeroStrategy
+from lightscale.strategies import Parallel3DStrategy, ZeroStrategy
 from lightscale.testing import run_distributed
 
 PSI = GPT(TINY).num_params()
@@ -56,3 +58,26 @@ def test_ring_traffic_equals_ddp_theory() -> None:
         assert (
             traffic_per_rank({"all_reduce": Traffic(1, PSI, grad_bytes)}, ranks) == 2 * grad_bytes * (ranks - 1) / ranks
         )
+
+
+def _tp_step(layers: int, sequence_parallel: bool, cache_dir: str) -> dict[str, tuple[int, int]]:
+    monitor = CommMonitor(every_n_steps=1)
+    strategy = Parallel3DStrategy(tp=2, sequence_parallel=sequence_parallel)
+    config = dataclasses.replace(TINY, n_layer=layers)
+    train_tiny_gpt(strategy, devices=2, batch_size=2, max_steps=2, config=config, cache_dir=cache_dir,
+                   extra_callbacks=[monitor])  # fmt: skip
+    return {kind: (t.calls, t.elements) for kind, t in monitor.records[-1].items()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_tensor_parallel_per_layer_is_megatrons_4bsh(sequence_parallel: bool, corpus_cache: str) -> None:
+    # Two more layers add, per layer and microbatch, Megatron's 4 all-reduces of b·s·h elements (2 forward, 2
+    # backward), or under sequence parallelism 4 all-gathers and 4 reduce-scatters of the same whole buffers.
+    two = run_distributed(_tp_step, 2, sequence_parallel, corpus_cache, world_size=2)[0]
+    four = run_distributed(_tp_step, 4, sequence_parallel, corpus_cache, world_size=2)[0]
+    bsh = 2 * TINY.block_size * TINY.n_embd
+    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    assert set(two) == set(four) == set(kinds)
+    for kind in kinds:
+        assert four[kind][0] - two[kind][0] == 2 * 4
+        assert four[kind][1] - two[kind][1] == 2 * 4 * bsh
