@@ -14,6 +14,7 @@ BENCHMARKS = [
     "bench_3d.py",
     "bench_moe.py",
     "bench_clip.py",
+    "bench_memory.py",
 ]
 
 

@@ -1,4 +1,5 @@
-"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI), strategies, export, schedule, doctor.
+"""The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI) and strategies, export, schedule,
+estimate, plan, doctor.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -158,7 +159,21 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export-fsdp2": partial(export, format="fsdp2"),
     "schedule": lambda args: draw_schedule_command(args),
     "doctor": lambda args: doctor_main(args),
+    "estimate": lambda args: _estimate_command(args),
+    "plan": lambda args: _plan_command(args),
 }
+
+
+def _plan_command(args: list[str]) -> None:
+    from lightscale.estimate.plan import plan_command
+
+    plan_command(args)
+
+
+def _estimate_command(args: list[str]) -> None:
+    from lightscale.estimate.report import estimate_command
+
+    estimate_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:

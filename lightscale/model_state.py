@@ -41,15 +41,18 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[Any] = ()) -> ModelStateBytes:
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[Any] = (), *, device_type: str | None = None
+) -> ModelStateBytes:
     """Bytes this rank holds for ``module``'s parameters and gradients and the optimizers' state.
 
     Each byte of storage counts once, in the first category that claims it (views of one flat buffer, tied
     weights). DeepSpeed's ZeRO optimizers are read too: their gradient partitions count as gradients, their
-    fp32 master partitions as optimizer state.
+    fp32 master partitions as optimizer state. ``device_type`` (``"cpu"``, ``"cuda"``) counts only tensors there:
+    what offloading keeps in host memory.
     """
     optimizers = list(optimizers)
-    ledger = _Ledger()
+    ledger = _Ledger(device_type)
     params = ledger.claim(_parameter_tensors(module))
     grads = ledger.claim(
         [p.grad for p in module.parameters() if p.grad is not None]
@@ -105,24 +108,41 @@ def _tensors_in(value: Any) -> Iterator[Tensor]:
 class _Ledger:
     """Counts each byte of storage once, however many tensors view it."""
 
-    def __init__(self) -> None:
-        self._spans: list[tuple[int, int]] = []  # claimed [start, end) address ranges, disjoint
+    def __init__(self, device_type: str | None = None) -> None:
+        self._spans: list[tuple[int, int]] = []  # claimed [start, end) address ranges, disjoint and sorted
+        self._device_type = device_type
 
     def claim(self, tensors: Iterable[Tensor]) -> int:
-        total = 0
+        """Bytes of ``tensors`` not claimed before (one sort per call: cheap enough to run every step)."""
+        spans = []
         for tensor in tensors:
             local = local_tensor(tensor)
             if local.numel() == 0 or local.device.type == "meta":
                 continue
+            if self._device_type is not None and local.device.type != self._device_type:
+                continue
             start = local.data_ptr()
-            total += self._claim(start, start + local.numel() * local.element_size())
-        return total
+            spans.append((start, start + local.numel() * local.element_size()))
+        new = _merged(spans)
+        fresh = _length(new) - _overlap(new, self._spans)
+        self._spans = _merged(self._spans + new)
+        return fresh
 
-    def _claim(self, start: int, end: int) -> int:
-        overlap = sum(max(0, min(end, e) - max(start, s)) for s, e in self._spans)
-        self._spans.append((start, end))
-        self._spans = _merged(self._spans)
-        return end - start - overlap
+
+def _length(spans: list[tuple[int, int]]) -> int:
+    return sum(end - start for start, end in spans)
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Bytes two sorted, disjoint span lists share (one linear sweep)."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

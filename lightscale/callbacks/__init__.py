@@ -1,5 +1,8 @@
-"""Callbacks that do one thing each: run summary (memory, throughput and communication come later)."""
+"""Callbacks that do one thing each: run summary, memory by category, throughput and MFU, communication."""
 
+from lightscale.callbacks.comm import CommMonitor
+from lightscale.callbacks.memory import MemoryProfiler
 from lightscale.callbacks.summary import RunSummary
+from lightscale.callbacks.throughput import Throughput
 
-__all__ = ["RunSummary"]
+__all__ = ["CommMonitor", "MemoryProfiler", "RunSummary", "Throughput"]

@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightscale.callbacks.throughput import Throughput
 from lightscale.model_state import ModelStateBytes, model_state_bytes
 
 
@@ -99,4 +100,9 @@ def _format(
             lines.append(
                 f"    rank {rank}: {sizes.parameters:,} + {sizes.gradients:,} + {sizes.optimizer:,} = {sizes.total:,}"
             )
+    for meter in (c for c in trainer.callbacks if isinstance(c, Throughput) and c.history):
+        lines.append(
+            f"  compute: {meter.mean('tflops_per_s'):.4g} TFLOP/s (all ranks), MFU {meter.mean('mfu'):.1%} "
+            "(Throughput callback, first step excluded)"
+        )
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightscale.errors import ConfigurationError
+from lightscale.saved_tensors import note_kept
 
 ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")
@@ -49,7 +50,11 @@ def check_ac_mode(mode: str) -> None:
 
 
 def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in _SAVE:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not getattr(ctx, "is_recompute", True):
+        note_kept(getattr(ctx, "op_output", None))  # kept in torch's cache, out of sight of saved-tensor hooks
+    return CheckpointPolicy.MUST_SAVE
 
 
 def apply_activation_checkpointing(units: Iterable[nn.Module], *, mode: ACMode) -> None:

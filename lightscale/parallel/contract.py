@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
@@ -43,6 +44,25 @@ from lightscale.parallel.fsdp import describe_units, find_units, infer_units
 from lightscale.parallel.tensor_parallel import TPPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What the activation formula needs to know about a decoder-only transformer (declared by the recipe)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab_size: int
+    ffn_hidden: int | None = None  # default 4 x hidden
+    kv_heads: int | None = None  # grouped-query attention; default: heads
+    dropout: bool = False
+    flash_attention: bool = True  # fused attention keeps no s x s matrices
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
 
 
 @runtime_checkable
@@ -67,6 +87,11 @@ class ParallelModel(Protocol):
 
     def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Raise ConfigurationError if the model cannot be split this way (called before any model work)."""
+        ...
+
+    def transformer_shape(self) -> TransformerShape:
+        """Layers, widths, heads, sequence and vocabulary of a decoder-only transformer: ``lightscale estimate``
+        then predicts activations by the Megatron formula instead of a one-sample forward."""
         ...
 
 

@@ -2,6 +2,7 @@
 
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.fit_memory import FitMemoryStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.parallel_3d import Parallel3DStrategy
@@ -11,6 +12,7 @@ from lightscale.strategies.zero import ZeroStrategy
 __all__ = [
     "BucketedDDPStrategy",
     "FSDP2Strategy",
+    "FitMemoryStrategy",
     "LightscaleStrategy",
     "Parallel3DStrategy",
     "ParallelDims",

@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.fit_memory import FitMemoryStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.zero import ZeroStrategy
@@ -23,6 +24,7 @@ STRATEGIES: tuple[type[LightscaleStrategy], ...] = (
     ZeroStrategy,
     FSDP2Strategy,
     Parallel3DStrategy,
+    FitMemoryStrategy,
 )
 
 

@@ -8,28 +8,11 @@ import torch
 import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
+from lightscale.callbacks import CommMonitor
+from lightscale.comm_counter import CollectiveCounter
 from lightscale.parallel import BucketedGradReducer
 from lightscale.recipes.gpt import GPT
 from lightscale.testing import RankFailed, run_distributed
-
-
-class AllReduceCounter:
-    """Records the bytes of every tensor passed to ``torch.distributed.all_reduce`` while installed."""
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-        self._original = dist.all_reduce
-
-    def __enter__(self) -> AllReduceCounter:
-        def counting(tensor, *args, **kwargs):
-            self.sizes.append(tensor.numel() * tensor.element_size())
-            return self._original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self._original
 
 
 def _gradient_bytes(model: torch.nn.Module) -> int:
@@ -42,14 +25,14 @@ def _bytes_per_step(compression: str, accumulate: int) -> tuple[list[int], int, 
     reducer = BucketedGradReducer(model, bucket_cap_mb=0.05, first_bucket_cap_mb=0.01, compression=compression)
     tokens = torch.randint(0, TINY.vocab_size, (2, TINY.block_size))
     per_step = []
-    with AllReduceCounter() as counter:
+    with CollectiveCounter() as counter:
         for _ in range(3):
             for micro in range(accumulate):
                 sync = micro == accumulate - 1
                 with reducer.no_sync() if not sync else _null():
                     model(tokens).float().logsumexp(-1).mean().backward()
-            per_step.append(sum(counter.sizes))
-            counter.sizes.clear()
+            per_step.append(counter.totals()["all_reduce"].bytes)
+            counter.reset()
     return per_step, _gradient_bytes(model), len(reducer.buckets)
 
 
@@ -71,16 +54,16 @@ def test_bf16_wire_halves_the_bytes() -> None:
     assert per_step == [grad_bytes // 2] * 3
 
 
-def _count_big_all_reduces(cache_dir: str) -> tuple[int, int]:
-    with AllReduceCounter() as counter:
-        train_tiny_gpt("bucketed_ddp", devices=2, batch_size=2, accumulate=2, max_steps=4, cache_dir=cache_dir)
-    gradient_traffic = sum(size for size in counter.sizes if size > 8)  # Lightning's own reductions are scalars
-    return gradient_traffic, _gradient_bytes(GPT(TINY))
+def _all_reduced_per_step(cache_dir: str) -> tuple[list[int], int]:
+    monitor = CommMonitor(every_n_steps=1, min_bytes=9)  # Lightning's own reductions are scalars
+    train_tiny_gpt("bucketed_ddp", devices=2, batch_size=2, accumulate=2, max_steps=4, cache_dir=cache_dir,
+                   extra_callbacks=[monitor])  # fmt: skip
+    return [step["all_reduce"].bytes for step in monitor.records], _gradient_bytes(GPT(TINY))
 
 
 def test_lightning_accumulation_skips_micro_step_sync(corpus_cache: str) -> None:
-    traffic, grad_bytes = run_distributed(_count_big_all_reduces, corpus_cache, world_size=2)[0]
-    assert traffic == 4 * grad_bytes  # 4 optimizer steps x 2 micro-steps: one reduction per optimizer step
+    per_step, grad_bytes = run_distributed(_all_reduced_per_step, corpus_cache, world_size=2)[0]
+    assert per_step == [grad_bytes] * 4  # 4 optimizer steps x 2 micro-steps: one reduction per optimizer step
 
 
 def _unused_parameter_backward(find_unused: bool) -> tuple[list[float] | None, list[float]]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
+from lightscale.callbacks import CommMonitor
 from lightscale.model_state import model_state_bytes
 from lightscale.testing import run_distributed
 
@@ -54,34 +55,8 @@ def test_each_rank_holds_one_shard_of_everything(strategy: str, ranks: int, shar
             assert ratio == pytest.approx(1.0, abs=0.01), (kind, seen)
 
 
-class CollectiveCounter(pl.Callback):
-    """Counts FSDP's reduce-scatters and all-gathers per optimizer step by wrapping torch.distributed's functions."""
-
-    def __init__(self) -> None:
-        self.per_step: list[dict[str, int]] = []
-        self._count = {"reduce_scatter": 0, "all_gather": 0}
-
-    def on_train_start(self, *args: Any) -> None:
-        self._wrap("reduce_scatter_single", "reduce_scatter")
-        self._wrap("all_gather_single", "all_gather")
-
-    def _wrap(self, function: str, key: str) -> None:
-        original = getattr(dist, function)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self._count[key] += 1
-            return original(*args, **kwargs)
-
-        setattr(dist, function, counted)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._accumulated_batches_reached():
-            self.per_step.append(dict(self._count))
-            self._count = dict.fromkeys(self._count, 0)
-
-
 def _count_collectives(strategy: str, accumulate: int, cache_dir: str) -> list[dict[str, int]]:
-    counter = CollectiveCounter()
+    counter = CommMonitor(every_n_steps=1)
     train_tiny_gpt(
         strategy,
         devices=dist.get_world_size(),
@@ -91,7 +66,7 @@ def _count_collectives(strategy: str, accumulate: int, cache_dir: str) -> list[d
         cache_dir=cache_dir,
         extra_callbacks=[counter],
     )
-    return counter.per_step
+    return [{kind: traffic.calls for kind, traffic in step.items()} for step in counter.records]
 
 
 @pytest.mark.parametrize(("strategy", "ranks"), [("fsdp2", 2), ("fsdp2_grad_op", 2), ("hsdp", 4)])

@@ -8,10 +8,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
-from torch.distributed.tensor.debug import CommDebugMode
 
+from lightscale.callbacks import CommMonitor
+from lightscale.comm_counter import CollectiveCounter
 from lightscale.model_state import model_state_bytes
 from lightscale.recipes.gpt import GPT
 from lightscale.recipes.gpt.parallelize import parallelize_gpt
@@ -55,15 +55,15 @@ def _block_collectives(sequence_parallel: bool) -> tuple[dict, dict]:
     model = parallelize_gpt(GPT(TINY), mesh, sequence_parallel=sequence_parallel, loss_parallel=True)
     seq = TINY.block_size // (2 if sequence_parallel else 1)  # a block's input is sequence-sharded under SP
     x = torch.randn(2, seq, TINY.n_embd, requires_grad=True)
-    with CommDebugMode() as forward:
+    with CollectiveCounter() as forward:
         out = model.layers["0"](x)
-    with CommDebugMode() as backward:
+    with CollectiveCounter() as backward:
         out.sum().backward()
-    return _names(forward.get_comm_counts()), _names(backward.get_comm_counts())
+    return _calls(forward), _calls(backward)
 
 
-def _names(counts: dict) -> dict[str, int]:
-    return {str(op).rpartition(".")[2]: n for op, n in counts.items() if n}
+def _calls(counter: CollectiveCounter) -> dict[str, int]:
+    return {kind: traffic.calls for kind, traffic in counter.totals().items()}
 
 
 def test_tensor_parallel_collectives_per_layer_match_megatron() -> None:
@@ -74,42 +74,16 @@ def test_tensor_parallel_collectives_per_layer_match_megatron() -> None:
     assert backward == {"all_reduce": 2}
     # Sequence parallel (Korthikanti et al. 2022): each all-reduce becomes an all-gather + a reduce-scatter.
     forward, backward = run_distributed(_block_collectives, True, world_size=2)[0]
-    assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-    assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-
-
-class _CountSends(pl.Callback):
-    """Counts point-to-point sends of the second optimizer step (the first also infers shapes)."""
-
-    def __init__(self) -> None:
-        self.sends = 0
-        self._originals: tuple = ()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx != 1:
-            return
-        c10d = dist.distributed_c10d
-        original = c10d.isend
-
-        def counting_isend(*args: Any, **kwargs: Any) -> Any:
-            self.sends += 1
-            return original(*args, **kwargs)
-
-        self._originals = (original,)
-        c10d.isend = dist.isend = counting_isend  # P2POp checks its op against c10d.isend
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self._originals:
-            dist.distributed_c10d.isend = dist.isend = self._originals[0]
-            self._originals = ()
+    assert forward == {"all_gather": 2, "reduce_scatter": 2}
+    assert backward == {"all_gather": 2, "reduce_scatter": 2}
 
 
 def _sends(schedule: str, microbatches: int, cache_dir: str) -> int:
-    counter = _CountSends()
+    counter = CommMonitor(every_n_steps=1)
     strategy = Parallel3DStrategy(pp=2, schedule=schedule, microbatches=microbatches)
     train_tiny_gpt(strategy, devices=2, batch_size=8, max_steps=2, config=PIPELINED, cache_dir=cache_dir,
                    extra_callbacks=[counter])  # fmt: skip
-    return counter.sends
+    return counter.records[1]["send"].calls  # the second step: the first also infers shapes
 
 
 @pytest.mark.parametrize(

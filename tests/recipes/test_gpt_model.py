@@ -42,7 +42,7 @@ def test_tied_weights_share_storage_and_count_once():
     assert tied.num_params() == expected
     assert untied.num_params() == expected + v * d
     assert tied.num_params(exclude_embeddings=True) == layers * per_layer + d
-    assert flops_per_token(config) == 6 * (layers * per_layer + d) + 12 * layers * d * t
+    assert flops_per_token(config) == 6 * (layers * per_layer + d + v * d) + 12 * layers * d * t  # head: tied
 
 
 def test_init_scales_residual_projections():

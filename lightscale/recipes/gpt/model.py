@@ -204,12 +204,14 @@ class GPT(nn.Module):
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: 6N + 12 * L * d * T (forward + backward; PaLM paper, appendix B).
 
-    N is the non-embedding parameter count of the parameters a token uses (the untied output head counts: it is a
-    matmul per token; of each MoE layer's routed experts only top_k of n_experts).
+    N is the non-embedding parameter count of the parameters a token uses, plus the output head, tied or not (it
+    is a matmul per token); of each MoE layer's routed experts only top_k of n_experts count.
     """
     with torch.device("meta"):  # counts shapes only, so even a 100B config allocates nothing
         model = GPT(config)
     n = model.num_params(exclude_embeddings=True)
+    if config.tie_weights:
+        n += config.vocab_size * config.n_embd  # the head shares the token table, which was just excluded
     for module in model.modules():
         if isinstance(module, MoE):
             idle = 1 - module.config.top_k / module.config.n_experts

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.parallel.contract import TransformerShape
 from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.tensor_parallel import TPPlan
 from lightscale.plugins.checkpoint import allow_in_checkpoints
@@ -156,6 +157,18 @@ class GPTModule(pl.LightningModule):
 
     def pipeline_stages(self, num_stages: int) -> list[list[str]]:
         return gpt_stage_modules(self.config, num_stages)
+
+    def transformer_shape(self) -> TransformerShape:
+        c = self.config
+        return TransformerShape(
+            layers=c.n_layer,
+            hidden=c.n_embd,
+            heads=c.n_head,
+            seq_len=c.block_size,
+            vocab_size=c.vocab_size,
+            kv_heads=c.n_kv_head,
+            dropout=c.dropout > 0,
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

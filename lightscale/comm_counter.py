@@ -1,0 +1,114 @@
+"""Counting collectives exactly: calls, elements and bytes per kind, as the process issues them.
+
+:class:`CollectiveCounter` is a ``TorchDispatchMode`` that sees every collective at the dispatcher: the c10d ops
+behind ``torch.distributed``'s functions (what bucketed_ddp, FSDP2 and DeepSpeed call), the functional collectives
+DTensor issues for tensor parallelism, and point-to-point sends (pipelines). One counter serves the CommMonitor
+callback and the exact-communication tests.
+
+A collective's elements are those of its whole buffer: the tensor all-reduced or broadcast, the gathered output of
+an all-gather, the input of a reduce-scatter or all-to-all, the tensor sent or received.
+
+Example:
+    >>> with CollectiveCounter() as counter:
+    ...     dist.all_reduce(torch.ones(4))
+    >>> counter.totals()["all_reduce"]
+    Traffic(calls=1, elements=4, bytes=16)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops.c10d
+_funcol = torch.ops._c10d_functional
+_funcol_autograd = torch.ops._c10d_functional_autograd
+
+KINDS: dict[Any, str] = {
+    _c10d.allreduce_: "all_reduce",
+    _c10d.allreduce_coalesced_: "all_reduce",
+    _funcol.all_reduce: "all_reduce",
+    _funcol.all_reduce_coalesced: "all_reduce",
+    _c10d._allgather_base_: "all_gather",
+    _c10d.allgather_: "all_gather",
+    _c10d.allgather_coalesced_: "all_gather",
+    _c10d.allgather_into_tensor_coalesced_: "all_gather",
+    _funcol.all_gather_into_tensor: "all_gather",
+    _funcol.all_gather_into_tensor_coalesced: "all_gather",
+    _c10d._reduce_scatter_base_: "reduce_scatter",
+    _c10d.reduce_scatter_: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_coalesced_: "reduce_scatter",
+    _funcol.reduce_scatter_tensor: "reduce_scatter",
+    _funcol.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _c10d.alltoall_: "all_to_all",
+    _c10d.alltoall_base_: "all_to_all",
+    _funcol.all_to_all_single: "all_to_all",
+    _funcol_autograd.all_to_all_single: "all_to_all",
+    _c10d.broadcast_: "broadcast",
+    _funcol.broadcast: "broadcast",
+    _c10d.send: "send",
+    _c10d.recv_: "recv",
+}
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    elements: int
+    bytes: int
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records each collective dispatched while active (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        kind = KINDS.get(getattr(func, "_overloadpacket", None))
+        if kind is not None:
+            self.calls.append(_measure(kind, [*args, *(kwargs or {}).values()], out))
+        return out
+
+    def totals(self, *, min_bytes: int = 0) -> dict[str, Traffic]:
+        """Calls, elements and bytes per kind, leaving out collectives under ``min_bytes`` (scalar metric syncs)."""
+        totals: dict[str, Traffic] = {}
+        for call in self.calls:
+            if call.bytes >= min_bytes:
+                entry = totals.setdefault(call.kind, Traffic())
+                entry.calls += 1
+                entry.elements += call.elements
+                entry.bytes += call.bytes
+        return totals
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def _measure(kind: str, args: list[Any], out: Any) -> Collective:
+    buffers = [_size(arg) for arg in args] + [_size(out)] if kind == "all_gather" else [_size(arg) for arg in args]
+    elements, nbytes = max(buffers, default=(0, 0))
+    return Collective(kind, elements, nbytes)
+
+
+def _size(value: Any) -> tuple[int, int]:
+    """Elements and bytes of a tensor, or of all tensors in a (nested) list of them."""
+    if isinstance(value, Tensor):
+        return value.numel(), value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        sizes = [_size(item) for item in value if isinstance(item, (Tensor, list, tuple))]
+        return sum(e for e, _ in sizes), sum(b for _, b in sizes)
+    return 0, 0

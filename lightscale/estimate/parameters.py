@@ -1,0 +1,99 @@
+"""The parameter tensors one rank holds before data-parallel sharding: its pipeline stages, split by the TP plan.
+
+Read from the model's own hooks (lightscale/parallel/contract.py), on a model built on the meta device, so the
+split is the one the strategy will apply, and a 70B model costs nothing to inspect.
+
+Example:
+    >>> sum(rank_parameter_sizes(module, layout_of("tp2", world_size=4)))
+    5_407_232
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightscale.estimate.layout import Layout
+from lightscale.parallel.contract import network_of, tp_plan_of
+from lightscale.parallel.pipeline import stage_ids
+from lightscale.parallel.tensor_parallel import matching_modules
+
+
+def rank_parameter_sizes(module: nn.Module, layout: Layout) -> list[int]:
+    """Element counts of the parameter tensors on the most loaded rank (tied tensors once per stage)."""
+    network = network_of(module)
+    tp_divisor = _tp_divisors(module, network, layout)
+    stages = _rank_modules(module, network, layout)
+    per_rank = []
+    for names in stages:
+        seen: dict[int, int] = {}
+        for pname, param in _parameters_of(network, names):
+            seen.setdefault(id(param), _numel(param) // tp_divisor.get(pname, 1))
+        per_rank.append(list(seen.values()))
+    return max(per_rank, key=sum)
+
+
+def whole_gradient_elements(module: nn.Module, layout: Layout) -> int:
+    """Elements by which gradients exceed their sharded parameters under tensor parallelism: DTensor's embedding
+    backward hands a row-wise (vocabulary-sharded) table its gradient replicated, and it stays so until the
+    optimizer step; a table tied to a column-wise head (GPT's token table) sums into the head's sharded one."""
+    if layout.tp == 1 or layout.dp_shard > 1:
+        return 0  # FSDP's reduce-scatter hands back the shard
+    network = network_of(module)
+    plan = tp_plan_of(module, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    colwise = {
+        id(network.get_submodule(name).weight)
+        for pattern, style in plan.items()
+        if isinstance(style, ColwiseParallel)
+        for name in matching_modules(network, pattern)
+    }
+    extra = 0
+    for pattern, style in plan.items():
+        if not isinstance(style, RowwiseParallel):
+            continue
+        for name in matching_modules(network, pattern):
+            sub = network.get_submodule(name)
+            if isinstance(sub, nn.Embedding) and id(sub.weight) not in colwise:
+                extra += sub.weight.numel() - sub.weight.numel() // layout.tp
+    return extra
+
+
+def _numel(param: nn.Parameter) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()  # a ZeRO-3 partitioned parameter is empty in place
+
+
+def _rank_modules(module: nn.Module, network: nn.Module, layout: Layout) -> list[list[str]]:
+    """Module names (in the network) each pipeline rank holds; one rank holding everything without pipelines."""
+    if layout.pp == 1:
+        return [[""]]
+    stages = module.pipeline_stages(layout.num_stages)  # type: ignore[attr-defined]
+    return [
+        [name for stage in stage_ids(rank, layout.pp, layout.stages_per_rank, v_shape=layout.v_shape)
+         for name in stages[stage]]
+        for rank in range(layout.pp)
+    ]  # fmt: skip
+
+
+def _parameters_of(network: nn.Module, names: list[str]) -> Iterator[tuple[str, nn.Parameter]]:
+    for name in names:
+        sub = network.get_submodule(name) if name else network
+        prefix = f"{name}." if name else ""
+        for pname, param in sub.named_parameters(remove_duplicate=False):
+            yield prefix + pname, param
+
+
+def _tp_divisors(module: nn.Module, network: nn.Module, layout: Layout) -> dict[str, int]:
+    """Parameter name -> tp for the tensors the plan shards (Colwise: weight and bias; Rowwise: weight)."""
+    if layout.tp == 1:
+        return {}
+    plan = tp_plan_of(module, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    divisors: dict[str, int] = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue  # SequenceParallel and PrepareModule* keep the parameters replicated
+        sharded = ("weight", "bias") if isinstance(style, ColwiseParallel) else ("weight",)
+        for name in matching_modules(network, pattern):
+            divisors |= {f"{name}.{p}": layout.tp for p in sharded}
+    return divisors
