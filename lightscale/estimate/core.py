@@ -31,7 +31,7 @@ from lightscale.estimate.activations import (
 )
 from lightscale.estimate.layout import Layout, layout_of
 from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states
-from lightscale.estimate.parameters import rank_parameter_sizes, whole_gradient_elements
+from lightscale.estimate.parameters import rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
 
@@ -96,9 +96,10 @@ def estimate_memory(
     if activation_checkpointing is not None:
         layout = layout.with_(activation_checkpointing=activation_checkpointing)
     build_on_meta(module)
-    sizes = rank_parameter_sizes(module, layout)
+    dense, experts = rank_parameter_split(module, layout)
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
-    states = model_states(sizes, layout, per, extra_gradient_elements=whole_gradient_elements(module, layout))
+    extra = whole_gradient_elements(module, layout)
+    states = model_states(dense, layout, per, extra_gradient_elements=extra, expert_sizes=experts)
     saved, source = 0.0, "not estimated"
     if activations:
         saved, source = _activations(module, layout, precision, micro_batch, seq_len, batch)
@@ -108,7 +109,7 @@ def estimate_memory(
         precision=precision,
         micro_batch=micro_batch,
         num_params=sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters()),
-        rank_params=sum(sizes),
+        rank_params=sum(dense) + sum(experts),
         parameters=states.parameters,
         gradients=states.gradients,
         optimizer=states.optimizer,

@@ -37,6 +37,7 @@ class Layout:
     dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # routed experts split over ep ranks; dense states then shard over dp_shard (= inner dp x ep)
     stages_per_rank: int = 1
     microbatches: int = 1
     v_shape: bool = False  # zbv places stages in a V (rank r holds r and 2 pp - 1 - r)
@@ -50,6 +51,11 @@ class Layout:
     @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks that shard one ep rank's experts (FSDP over the inner data-parallel ranks)."""
+        return max(1, self.dp_shard // self.ep)
 
     @property
     def zero_stage(self) -> int:
@@ -135,17 +141,19 @@ def _fsdp2(strategy: Any, name: str, world_size: int) -> Layout:
 
 def _parallel_3d(strategy: Any, name: str, world_size: int) -> Layout:
     dims = strategy.parallel_dims(world_size)
-    sharded = dims.dp_shard > 1
+    dense_shard = dims.dp_shard * dims.ep  # FSDP2 shards the dense part over the ep ranks too
+    sharded = dense_shard > 1
     return Layout(
         name,
         world_size,
         shard_optimizer=sharded,
         shard_gradients=sharded,
         shard_parameters=sharded,
-        dp_shard=dims.dp_shard,
+        dp_shard=dense_shard,
         dp_replicate=dims.dp_replicate,
         tp=dims.tp,
         pp=dims.pp,
+        ep=dims.ep,
         stages_per_rank=strategy.stages_per_rank if dims.pp > 1 else 1,
         microbatches=strategy.microbatches,
         v_shape=strategy.schedule == "zbv",

@@ -85,13 +85,21 @@ def zero_stage_bytes(num_params: int, *, world_size: int, stage: int, per: PerPa
 
 
 def model_states(
-    sizes: Sequence[int], layout: Layout, per: PerParameter, *, extra_gradient_elements: int = 0
+    sizes: Sequence[int],
+    layout: Layout,
+    per: PerParameter,
+    *,
+    extra_gradient_elements: int = 0,
+    expert_sizes: Sequence[int] = (),
 ) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state one rank holds, given its parameter tensors' sizes
-    (after tensor and pipeline splits: see :func:`~lightscale.estimate.parameters.rank_parameter_sizes`)."""
+    (after tensor, pipeline and expert splits: see :func:`~lightscale.estimate.parameters.rank_parameter_split`).
+    Dense tensors shard over ``layout.dp_shard`` ranks, routed experts over ``layout.expert_shard``."""
     n = layout.dp_shard
-    total = sum(sizes)
-    sharded = sum(math.ceil(size / n) for size in sizes)  # dim-0 chunks: the first ranks get the rounded-up size
+    total = sum(sizes) + sum(expert_sizes)
+    # dim-0 chunks: the first ranks get the rounded-up size
+    sharded = sum(math.ceil(size / n) for size in sizes)
+    sharded += sum(math.ceil(size / layout.expert_shard) for size in expert_sizes)
     persistent = sum(size for size in sizes if size <= layout.persistence_threshold)
     params = (sharded + persistent if layout.shard_parameters else total) * per.parameters
     grads = ((sharded if layout.shard_gradients else total) + extra_gradient_elements) * per.gradients

@@ -23,16 +23,37 @@ from lightscale.parallel.tensor_parallel import matching_modules
 
 def rank_parameter_sizes(module: nn.Module, layout: Layout) -> list[int]:
     """Element counts of the parameter tensors on the most loaded rank (tied tensors once per stage)."""
+    dense, experts = rank_parameter_split(module, layout)
+    return dense + experts
+
+
+def rank_parameter_split(module: nn.Module, layout: Layout) -> tuple[list[int], list[int]]:
+    """(dense, routed-expert) element counts on the most loaded rank; experts already divided over ``layout.ep``."""
     network = network_of(module)
     tp_divisor = _tp_divisors(module, network, layout)
-    stages = _rank_modules(module, network, layout)
+    expert_names = _routed_expert_parameters(network)
     per_rank = []
-    for names in stages:
-        seen: dict[int, int] = {}
+    for names in _rank_modules(module, network, layout):
+        seen: dict[int, tuple[int, bool]] = {}
         for pname, param in _parameters_of(network, names):
-            seen.setdefault(id(param), _numel(param) // tp_divisor.get(pname, 1))
+            expert = pname in expert_names
+            size = _numel(param) // (layout.ep if expert else tp_divisor.get(pname, 1))
+            seen.setdefault(id(param), (size, expert))
         per_rank.append(list(seen.values()))
-    return max(per_rank, key=sum)
+    chosen = max(per_rank, key=lambda sizes: sum(size for size, _ in sizes))
+    return [size for size, expert in chosen if not expert], [size for size, expert in chosen if expert]
+
+
+def _routed_expert_parameters(network: nn.Module) -> set[str]:
+    """Names of the stacked routed-expert weights (expert parallelism splits them on dim 0; shared experts stay)."""
+    from lightscale.parallel.moe import MoE
+
+    return {
+        f"{name}.experts.{pname}"
+        for name, sub in network.named_modules()
+        if isinstance(sub, MoE)
+        for pname, _ in sub.experts.named_parameters()
+    }
 
 
 def whole_gradient_elements(module: nn.Module, layout: Layout) -> int:

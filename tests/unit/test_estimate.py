@@ -94,6 +94,21 @@ def test_tensor_and_pipeline_splits() -> None:
     assert tp.activations.device < full.activations.device
 
 
+@pytest.mark.parametrize(("ep", "dp"), [(2, 1), (2, 2), (4, 1)])
+def test_expert_parallel_splits_experts_over_ep_and_shards_the_dense_part_over_dp_x_ep(ep: int, dp: int) -> None:
+    from lightscale.parallel.moe import MoEConfig
+    from lightscale.strategies import Parallel3DStrategy
+
+    module = GPTModule(dataclasses.replace(SMALL, moe=MoEConfig(n_experts=4, top_k=2)))
+    module.configure_model()
+    experts = sum(p.numel() for name, p in module.named_parameters() if ".experts." in name)
+    dense = sum(p.numel() for p in module.parameters()) - experts
+    estimate = estimate_memory(module, Parallel3DStrategy(ep=ep, dp=dp), world_size=ep * dp)
+    assert estimate.rank_params == dense + experts / ep  # before data-parallel sharding
+    # fp32 parameters: experts / (ep x dp_shard) (FSDP over the inner dp), dense / (dp x ep) (FSDP over all)
+    assert estimate.parameters.device == pytest.approx(4 * (experts / (ep * dp) + dense / (dp * ep)), rel=1e-3)
+
+
 def test_seven_billion_parameters_estimate_quickly() -> None:
     config = GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, tie_weights=False)
     start = time.perf_counter()
