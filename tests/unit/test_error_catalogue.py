@@ -1,0 +1,420 @@
+"""The bad-input catalogue: every bad setting is refused before any work, naming the bad value and valid ones.
+
+One table drives both the tests and docs/errors.md. Regenerate the page after changing the table or a message:
+``LIGHTSCALE_UPDATE_ERRORS=1 pytest tests/unit/test_error_catalogue.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+
+
+@dataclass(frozen=True)
+class Bad:
+    id: str
+    description: str
+    trigger: Callable[[], object]
+    error: type[BaseException]
+    match: str  # regex searched in the message: names the bad value and a valid alternative
+
+
+def _lightscale():
+    import lightscale
+
+    return lightscale
+
+
+def _cfg(**kwargs):
+    from lightscale.recipes.gpt import GPTConfig
+
+    return GPTConfig(**kwargs)
+
+
+def _ddp(**kwargs):
+    from lightscale.strategies import BucketedDDPStrategy
+
+    return BucketedDDPStrategy(**kwargs)
+
+
+def _p3d(**kwargs):
+    from lightscale.strategies import Parallel3DStrategy
+
+    return Parallel3DStrategy(**kwargs)
+
+
+def _fsdp2(**kwargs):
+    from lightscale.strategies import FSDP2Strategy
+
+    return FSDP2Strategy(**kwargs)
+
+
+def _dims(**kwargs):
+    from lightscale.strategies import ParallelDims
+
+    return ParallelDims(**kwargs)
+
+
+def _zero(**kwargs):
+    from lightscale.strategies.zero import ZeroStrategy
+
+    return ZeroStrategy(**kwargs)
+
+
+def _ds_config(config):
+    from lightscale.strategies.deepspeed_config import validate_user_config
+
+    return validate_user_config(config)
+
+
+def _gpt_parallel(config, tp, stages):
+    from lightscale.recipes.gpt.parallelize import validate_gpt_parallel
+
+    return validate_gpt_parallel(config, tp=tp, num_stages=stages)
+
+
+def _tp_plan(plan):
+    from lightscale.parallel.tensor_parallel import validate_tp_plan
+    from lightscale.recipes.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(_cfg())
+    return validate_tp_plan(model, plan)
+
+
+def _colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel()
+
+
+def _too_many_devices():
+    with mock.patch.dict(os.environ), mock.patch("os.cpu_count", return_value=2):
+        os.environ.pop("WORLD_SIZE", None)
+        _lightscale().Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=3)
+
+
+def _unit_class(name):
+    from lightscale.parallel.fsdp import check_unit_classes
+    from lightscale.recipes.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(_cfg(block_size=16, n_layer=2, n_head=2, n_embd=16))
+    check_unit_classes(model, [name])
+
+
+def _reducer():
+    from lightscale.parallel import BucketedGradReducer
+
+    BucketedGradReducer(torch.nn.Linear(2, 2), bucket_cap_mb=0)  # no process group exists: it never gets there
+
+
+def _pinned_without_cuda():
+    with mock.patch("torch.cuda.is_available", return_value=False):  # the same page on a machine with CUDA
+        _fsdp2(offload=True, pin_memory=True)
+
+
+def _cli(*args):
+    from lightscale.cli import main
+
+    main(["fit", "--config", "gpt/tiny_ddp.yaml", *args])
+
+
+def _cli_bad_file():
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "bad.yaml"
+        config.write_text(
+            "model:\n  class_path: lightscale.recipes.gpt.GPTModule\n  init_args:\n    learning_rat: 0.1\n"
+        )
+        _cli("--config", str(config))
+
+
+def _resolve(name):
+    from lightscale.cli import resolve_config
+
+    resolve_config(name)
+
+
+def _sampler(samples, batch_size, replicas):
+    from lightscale.recipes.gpt.data import StreamSampler
+
+    StreamSampler(list(range(samples)), batch_size=batch_size, num_replicas=replicas, rank=0)
+
+
+def _windows(tokens, block_size):
+    import numpy as np
+
+    from lightscale.recipes.gpt.data import TokenWindows
+
+    TokenWindows(np.arange(tokens, dtype=np.int64), block_size)
+
+
+def _data(**kwargs):
+    from lightscale.recipes.gpt.data import GPTDataModule
+
+    GPTDataModule(**kwargs)
+
+
+def _module(**kwargs):
+    from lightscale.recipes.gpt import GPTModule
+
+    GPTModule(**kwargs)
+
+
+def _not_writable():
+    from lightscale.strategies.zero import _writable_dir
+
+    _writable_dir(Path("/proc/lightscale_offload"))
+
+
+def _export_wrong_prefix():
+    from lightscale.plugins.checkpoint import export_single_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save({"state_dict": {"net.weight": torch.zeros(1)}}, Path(tmp) / "a.ckpt")
+        export_single_file(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
+
+
+def _forward_too_long():
+    from lightscale.recipes.gpt import GPT
+
+    GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def _mb_split(batch, microbatches):
+    from lightscale.parallel.pipeline import check_microbatch_split
+
+    check_microbatch_split(batch, microbatches)
+
+
+def _stages(n_layer, stages):
+    from lightscale.recipes.gpt.parallelize import gpt_stage_modules
+
+    gpt_stage_modules(_cfg(n_layer=n_layer, tie_weights=False), stages)
+
+
+def _precision_section(name):
+    from lightscale.strategies.deepspeed_config import precision_section
+
+    precision_section(name)
+
+
+def _error(name: str) -> type[BaseException]:
+    from lightscale.errors import ConfigurationError
+
+    return ConfigurationError if name == "conf" else {"value": ValueError, "exit": SystemExit}[name]
+
+
+CE = "conf"  # resolved lazily so that collecting this file stays cheap
+VE = "value"
+SE = "exit"
+
+# fmt: off
+CATALOGUE: list[tuple] = [
+    # id, description, trigger, error, match
+    ("strategy-name", "unknown strategy name (closest match suggested)",
+     lambda: _lightscale().Trainer(strategy="bucketd_ddp", accelerator="cpu", devices=1),
+     VE, r"'bucketd_ddp'.*Did you mean 'bucketed_ddp'"),
+    ("devices-too-many", "more CPU devices than cores", _too_many_devices, VE, r"devices=3 .* valid values are 1\.\.2"),
+    ("precision-name", "precision lightscale does not support",
+     lambda: _lightscale().Trainer(accelerator="cpu", devices=1, precision="64-true"),
+     VE, r"precision='64-true'.*choose one of"),
+    ("bucket-zero", "bucket_cap_mb=0", lambda: _ddp(bucket_cap_mb=0), VE, r"bucket_cap_mb=0 .*positive number"),
+    ("bucket-negative", "negative bucket_cap_mb", lambda: _ddp(bucket_cap_mb=-5), VE, r"bucket_cap_mb=-5 .*positive"),
+    ("bucket-string", "bucket_cap_mb not a number", lambda: _ddp(bucket_cap_mb="big"), VE, r"'big' .*positive number"),
+    ("bucket-nan", "bucket_cap_mb=nan", lambda: _ddp(bucket_cap_mb=float("nan")), VE, r"nan .*positive number"),
+    ("compression", "unknown gradient compression", lambda: _ddp(compression="int8"), VE,
+     r"compression='int8'.*'none', 'bf16', 'fp16'"),
+    ("reducer-bucket", "BucketedGradReducer with bucket_cap_mb=0 (checked before any process group)",
+     _reducer, VE, r"bucket_cap_mb=0"),
+    ("timeout-zero", "collective timeout of 0 s", lambda: _ddp(timeout_s=0), CE, r"timeout_s=0 .*positive"),
+    ("dims-product", "degrees multiply to a number other than the world size", lambda: _dims(world_size=8, tp=2, pp=3),
+     CE, r"pp=3 x tp=2 multiply to 6, but the world size is 8.*\[1, 2, 4, 8\]"),
+    ("dims-infer", "-1 degree cannot be inferred from a non-divisor",
+     lambda: _dims(world_size=8, dp_replicate=-1, tp=3), CE, r"Cannot infer dp_replicate: world size 8 .*\(3\)"),
+    ("dims-zero", "a degree of 0", lambda: _dims(world_size=4, tp=0), CE, r"degrees must be positive.*tp"),
+    ("dims-negative", "a degree of -2", lambda: _dims(world_size=4, dp_shard=-2), CE, r"or -1 \(infer\).*-2"),
+    ("dims-two-infer", "two degrees set to -1", lambda: _dims(world_size=4, dp_shard=-1, tp=-1), CE,
+     r"Only one parallel degree may be -1.*dp_shard.*tp"),
+    ("dims-world", "world size 0", lambda: _dims(world_size=0), CE, r"world_size must be >= 1, got 0"),
+    ("p3d-product", "parallel_3d dp x tp x pp larger than the world", lambda: _p3d(dp=2, tp=2, pp=2).parallel_dims(4),
+     CE, r"multiply to 8, but the world size is 4.*\[1, 2, 4\]"),
+    ("p3d-heads", "tp does not divide the attention heads", lambda: _gpt_parallel(_cfg(n_head=2, n_embd=64), 4, 1),
+     CE, r"tp=4 .*\{'n_head': 2\}. Valid tp.*\[1, 2\]"),
+    ("p3d-kv-heads", "tp does not divide the key/value heads",
+     lambda: _gpt_parallel(_cfg(n_head=4, n_kv_head=1, n_embd=64), 2, 1), CE, r"tp=2.*\{'n_kv_head': 1\}.*Valid tp"),
+    ("p3d-vocab", "tp does not divide the vocabulary",
+     lambda: _gpt_parallel(_cfg(vocab_size=255, n_head=2, n_embd=64), 2, 1), CE, r"\{'vocab_size': 255\}.*Valid tp"),
+    ("p3d-layers", "layers do not divide into pipeline stages", lambda: _stages(3, 2), CE,
+     r"3 layers do not divide into 2 pipeline stages.*\[1, 3\]"),
+    ("p3d-layers-validate", "layers do not divide into stages (recipe validation)",
+     lambda: _gpt_parallel(_cfg(n_layer=3, tie_weights=False), 1, 2), CE, r"3 layers do not divide into 2"),
+    ("p3d-tied", "tied embeddings with a pipeline", lambda: _gpt_parallel(_cfg(n_layer=2), 1, 2), CE,
+     r"tie_weights: false"),
+    ("pp-microbatches", "fewer microbatches than stages under 1f1b",
+     lambda: _p3d(pp=4, schedule="1f1b", microbatches=2), CE,
+     r"'1f1b' needs at least as many microbatches as stages.*>= 4"),
+    ("pp-schedule", "unknown pipeline schedule", lambda: _p3d(pp=2, schedule="1f1"), CE,
+     r"Unknown pipeline schedule '1f1'. Did you mean '1f1b'"),
+    ("pp-zbv", "zbv with 3 stages per rank", lambda: _p3d(pp=2, schedule="zbv", stages_per_rank=3), CE,
+     r"'zbv' needs exactly 2 stages per rank"),
+    ("pp-1f1b-stages", "1f1b with 2 stages per rank", lambda: _p3d(pp=2, schedule="1f1b", stages_per_rank=2), CE,
+     r"'1f1b' runs one stage per rank"),
+    ("pp-interleaved", "interleaved_1f1b microbatches not a multiple of pp",
+     lambda: _p3d(pp=2, schedule="interleaved_1f1b", microbatches=5), CE,
+     r"'interleaved_1f1b' cannot run pp=2, microbatches=5.*multiple"),
+    ("pp-batch-split", "batch does not split into microbatches", lambda: _mb_split(6, 4), CE,
+     r"6 samples does not split into 4 .* among \[1, 2, 3, 6\]"),
+    ("p3d-dp-mode", "unknown dp_mode", lambda: _p3d(dp_mode="hybrid"), CE,
+     r"dp_mode must be 'shard' or 'replicate'.*hybrid"),
+    ("p3d-tp-zero", "tp=0", lambda: _p3d(tp=0), CE, r"tp=0 is not valid"),
+    ("tp-plan-pattern", "TP plan pattern that matches no module",
+     lambda: _tp_plan({"layers.*.attn.wq": _colwise()}), CE, r"'layers.\*.attn.wq' matches no module"),
+    ("tp-plan-module", "ColwiseParallel on a LayerNorm", lambda: _tp_plan({"norm": _colwise()}), CE,
+     r"ColwiseParallel on 'norm' \(LayerNorm\)"),
+    ("tp-plan-style", "TP plan value that is not a ParallelStyle", lambda: _tp_plan({"norm": "colwise"}), CE,
+     r"not a ParallelStyle"),
+    ("hsdp-product", "HSDP replicate x shard not the world size",
+     lambda: _fsdp2(dp_replicate=3, dp_shard=2).parallel_dims(4), CE, r"multiply to 6, but the world size is 4"),
+    ("hsdp-infer", "HSDP shard degree cannot be inferred", lambda: _fsdp2(dp_replicate=4, dp_shard=-1).parallel_dims(6),
+     CE, r"Cannot infer dp_shard"),
+    ("fsdp-unit", "unknown FSDP unit class name", lambda: _unit_class("TransformerBlok"), CE,
+     r"'TransformerBlok' does not occur in GPT\. Did you mean 'TransformerBlock'"),
+    ("fsdp-ac-mode", "unknown activation checkpointing mode", lambda: _fsdp2(activation_checkpointing="some"), CE,
+     r"activation_checkpointing='some' is not valid; choose one of"),
+    ("zero-stage", "ZeRO stage 4", lambda: _zero(stage=4), CE, r"stage=4 is not valid; choose 1, 2 or 3"),
+    ("zero-offload-params", "parameter offload below stage 3", lambda: _zero(stage=2, offload_params=True), CE,
+     r"needs ZeRO stage 3.*stage 2.*zero3_offload"),
+    ("zero-precision", "precision the ZeRO strategies do not support", lambda: _precision_section("64-true"), CE,
+     r"precision='64-true' .*choose 32-true, bf16-mixed"),
+    ("ds-owned-key", "DeepSpeed key lightscale sets itself",
+     lambda: _ds_config({"train_micro_batch_size_per_gpu": 4}), CE,
+     r"'train_micro_batch_size_per_gpu' is set by lightscale from the train dataloader's batch_size"),
+    ("ds-misplaced-key", "ZeRO option at the top level", lambda: _ds_config({"overlap_comm": True}), CE,
+     r"'overlap_comm' belongs under 'zero_optimization'"),
+    ("ds-unknown-key", "unknown DeepSpeed key", lambda: _ds_config({"gradient_clippin": 1.0}), CE,
+     r"Unknown DeepSpeed config key 'gradient_clippin'"),
+    ("ds-zero-not-dict", "zero_optimization not a dict", lambda: _ds_config({"zero_optimization": 2}), CE,
+     r"'zero_optimization' must be a dict of ZeRO options, got 2"),
+    ("ds-zero-owned", "zero_optimization.stage set by hand", lambda: _ds_config({"zero_optimization": {"stage": 3}}),
+     CE, r"zero_optimization.stage is set by the strategy name \(zero1, zero2, zero3"),
+    ("ds-zero-top-level", "top-level key inside zero_optimization",
+     lambda: _ds_config({"zero_optimization": {"gradient_clipping": 1.0}}), CE,
+     r"'gradient_clipping' is a top-level key.*move it up"),
+    ("ds-zero-unknown", "unknown zero_optimization option",
+     lambda: _ds_config({"zero_optimization": {"overlap_com": True}}), CE,
+     r"Unknown zero_optimization option 'overlap_com'.*overlap_comm"),
+    ("ds-engine-key-via-strategy", "unknown DeepSpeed key given to the strategy",
+     lambda: _zero(config={"fp17": {}}), CE, r"Unknown DeepSpeed config key 'fp17'"),
+    ("offload-not-writable", "offload directory not writable", _not_writable, CE,
+     r"/proc/lightscale_offload is not writable.*nvme_path"),
+    ("gpt-layers", "n_layer=0", lambda: _cfg(n_layer=0), VE, r"GPTConfig.n_layer must be a positive int, got 0"),
+    ("gpt-kv-heads", "n_kv_head=0", lambda: _cfg(n_kv_head=0), VE, r"n_kv_head must be None or a positive int, got 0"),
+    ("gpt-embd-heads", "n_embd not divisible by n_head", lambda: _cfg(n_embd=30, n_head=4), VE,
+     r"n_embd=30 is not divisible by n_head=4; valid n_head: \[1, 2, 3, 5"),
+    ("gpt-gqa", "n_head not divisible by n_kv_head", lambda: _cfg(n_head=4, n_kv_head=3, n_embd=64), VE,
+     r"n_head=4 is not divisible by n_kv_head=3; valid n_kv_head: \[1, 2, 4\]"),
+    ("gpt-dropout", "dropout of 1", lambda: _cfg(dropout=1.0), VE, r"0 <= dropout < 1, got 1.0"),
+    ("gpt-too-long", "sequence longer than block_size", _forward_too_long, VE,
+     r"sequence length 9 exceeds block_size=8"),
+    ("module-lr", "learning rate 0", lambda: _module(learning_rate=0.0), VE, r"need learning_rate > 0.*got 0.0"),
+    ("module-min-lr", "min_lr_ratio outside [0, 1]", lambda: _module(min_lr_ratio=2.0), VE,
+     r"min_lr_ratio must be in \[0, 1\], got 2.0"),
+    ("data-batch", "batch_size=0", lambda: _data(batch_size=0), VE, r"must be positive, got 128 and 0"),
+    ("data-val-fraction", "val_fraction outside (0, 1)", lambda: _data(val_fraction=1.5), VE,
+     r"val_fraction must be in \(0, 1\), got 1.5"),
+    ("data-workers", "negative num_workers", lambda: _data(num_workers=-1), VE, r"num_workers must be >= 0, got -1"),
+    ("data-smaller-than-dp", "dataset smaller than one global batch (batch x data-parallel degree)",
+     lambda: _sampler(6, 2, 4), VE, r"6 samples, fewer than one global batch of 8 \(batch_size=2 x num_replicas=4\)"),
+    ("data-too-few-tokens", "fewer tokens than one window", lambda: _windows(5, 8), VE,
+     r"5 tokens cannot fill one window of block_size=8"),
+    ("cli-unknown-flag", "unknown trainer flag on the command line", lambda: _cli("--trainer.max_stepz", "3"), SE,
+     r"max_stepz"),
+    ("cli-unknown-yaml-key", "unknown key inside a YAML config", _cli_bad_file, SE, r"learning_rat"),
+    ("cli-config-name", "unknown packaged config name", lambda: _resolve("gpt/tiny_dp.yaml"), SE,
+     r"'gpt/tiny_dp\.yaml' is neither a file nor a packaged config\. Did you mean 'gpt/tiny_ddp\.yaml'"),
+    ("cli-strategy-name", "unknown strategy in the CLI", lambda: _cli("--trainer.strategy", "bucketed_dp"), SE,
+     r"Unknown strategy 'bucketed_dp'\. Did you mean 'bucketed_ddp'"),
+    ("ckpt-wrong-model", "export from a checkpoint whose keys do not match the prefix", _export_wrong_prefix, CE,
+     r"starts with 'model.'; keys: \['net.weight'\]"),
+    ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
+     r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
+]
+# fmt: on
+
+ENTRIES = [Bad(i, d, t, e, m) for i, d, t, e, m in CATALOGUE]
+
+
+def _message(entry: Bad) -> tuple[type[BaseException], str]:
+    """The exception type and its message; for a bare ``SystemExit(2)`` the error lines printed to stderr."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            entry.trigger()
+    except BaseException as error:  # SystemExit included
+        message = str(error)
+        if isinstance(error, SystemExit) and not message.strip("0123456789"):
+            printed = err.getvalue()
+            message = printed[printed.find("error:") :] if "error:" in printed else printed
+        return type(error), re.sub(re.escape(tempfile.gettempdir()) + r"/[^/\s'\"]+", "<tmp>", message)
+    raise AssertionError(f"{entry.id}: no error raised")
+
+
+def _expected(entry: Bad) -> type[BaseException]:
+    return _error(entry.error) if isinstance(entry.error, str) else entry.error
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
+
+
+def render() -> str:
+    lines = [
+        "# Bad input: what lightscale refuses, and the message it gives",
+        "",
+        "Every row is a test: `tests/unit/test_error_catalogue.py` triggers each bad setting in one process, before",
+        "any work starts, and checks the exception type and that the message names the bad value and a valid one.",
+        "This page is generated from that table; after changing an entry or a message, regenerate it with",
+        "`LIGHTSCALE_UPDATE_ERRORS=1 pytest tests/unit/test_error_catalogue.py` (a test fails while it is stale).",
+        "`ConfigurationError` is a `ValueError`.",
+        "",
+        f"{len(ENTRIES)} entries.",
+        "",
+        "| id | bad input | exception | message |",
+        "|---|---|---|---|",
+    ]
+    for entry in ENTRIES:
+        kind, message = _message(entry)
+        lines.append(f"| `{entry.id}` | {_cell(entry.description)} | `{kind.__name__}` | {_cell(message)} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_ids_are_unique_and_many() -> None:
+    ids = [entry.id for entry in ENTRIES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 50
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[entry.id for entry in ENTRIES])
+def test_bad_input_is_refused(entry: Bad) -> None:
+    kind, message = _message(entry)
+    assert issubclass(kind, _expected(entry)), f"{entry.id}: {kind.__name__}: {message}"
+    assert re.search(entry.match, message, re.S), f"{entry.id}: {message!r}"
+
+
+def test_docs_are_up_to_date() -> None:
+    text = render()
+    if os.environ.get("LIGHTSCALE_UPDATE_ERRORS"):
+        DOC.write_text(text)
+    assert DOC.exists() and DOC.read_text() == text, "docs/errors.md is stale: rerun with LIGHTSCALE_UPDATE_ERRORS=1"
