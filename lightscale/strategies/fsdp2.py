@@ -95,6 +95,9 @@ class FSDP2Strategy(LightscaleStrategy):
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
+        for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+            if degree != -1 and (not isinstance(degree, int) or degree < 1):  # refuse at construction, not at setup
+                raise ConfigurationError(f"{name}={degree!r} is not valid: use a positive degree or -1 (infer).")
         self.unit_classes = tuple(unit_classes) if unit_classes is not None else None
         self.reshard_after_forward = reshard_after_forward
         self.dp_replicate = dp_replicate
