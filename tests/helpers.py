@@ -18,6 +18,21 @@ TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 SGD_LR = 0.25
 
 
+def quiet_trainer(strategy: Any, *, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    """A lightscale Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    quiet: dict[str, Any] = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return lightscale.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, **(quiet | kwargs)
+    )
+
+
 class SGDGPTModule(GPTModule):
     """The GPT recipe's module trained with plain SGD (no momentum, constant rate), for parity tests."""
 
@@ -97,18 +112,12 @@ def train_tiny_gpt(
         module = SGDGPTModule(config, sgd_lr=sgd_lr)
     data = GPTDataModule(block_size=config.block_size, batch_size=batch_size, cache_dir=cache_dir)
     losses = StepLosses()
-    trainer = lightscale.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=devices,
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
-        logger=False,
         enable_checkpointing=save_checkpoint_to is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[losses, *extra_callbacks, *_interruption(stop_after, save_checkpoint_to)],
         **trainer_kwargs,
     )

@@ -16,10 +16,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import relative_difference
+from helpers import quiet_trainer, relative_difference
 from torch.distributed.tensor import DTensor
 
-import lightscale
 from lightscale.parallel import contrastive
 from lightscale.recipes.clip import CLIPConfig, CLIPDataModule, CLIPModule, TextConfig
 from lightscale.recipes.vit.model import ViTConfig
@@ -94,20 +93,7 @@ def fit(
         contrastive.gather_with_grad = no_grad_gather  # this forked rank only
     pl.seed_everything(1234, verbose=False)
     record = Record()
-    trainer = lightscale.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[record],
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[record], default_root_dir=root)
     data = CLIPDataModule(batch_size=GLOBAL_BATCH // (dp or devices), context_length=TINY.text.context_length)
     trainer.fit(SGDCLIP(loss), data)
     return record.grads, record.losses

@@ -8,9 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import StepLosses, relative_difference
+from helpers import StepLosses, quiet_trainer, relative_difference
 
-import lightscale
 from lightscale.recipes.vit import ImageDataModule, ViTConfig, ViTModule
 from lightscale.testing import run_distributed
 
@@ -33,20 +32,7 @@ class SGDViT(ViTModule):
 def fit(strategy: str, devices: int, dp: int, root: str) -> list[float]:
     pl.seed_everything(1234, verbose=False)
     losses = StepLosses()
-    trainer = lightscale.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[losses],
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[losses], default_root_dir=root)
     trainer.fit(SGDViT(), ImageDataModule(batch_size=GLOBAL_BATCH // dp))
     return losses.local
 
