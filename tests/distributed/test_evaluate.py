@@ -17,12 +17,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, SGDGPTModule
+from helpers import TINY, SGDGPTModule, quiet_trainer
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightscale
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule
 from lightscale.testing import run_distributed
 
@@ -67,19 +66,7 @@ def _run(trainer: pl.Trainer, module: PredictingGPT, data: GPTDataModule, **ckpt
 
 
 def _trainer(strategy: str, devices: int) -> pl.Trainer:
-    return lightscale.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-        limit_test_batches=2,
-    )
+    return quiet_trainer(strategy, devices=devices, max_steps=4, limit_val_batches=2, limit_test_batches=2)
 
 
 def _evaluate(strategy: str, cache_dir: str, checkpoint: str, *, fit: bool) -> dict[str, Any]:
