@@ -57,12 +57,27 @@ def save_sharded(
     save_file: Callable[[dict[str, Any], Path], None],
 ) -> None:
     """Collectively save ``model``/``optimizers`` shards and (rank 0) ``trainer_state`` as directory ``path``."""
+    model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
+    write_checkpoint(path, {"model": model_state, "optimizer": optim_state}, trainer_state, save_file)
+
+
+def write_checkpoint(
+    path: Path,
+    state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    save_file: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """Collectively write ``state`` (``{"model": {fqn: tensor}, "optimizer": {...}}``, the layout of
+    :func:`save_sharded`) with DCP and (rank 0) ``trainer_state``, published atomically as directory ``path``.
+
+    The one writer of the format: any strategy that can express its state in this layout (DTensor shards, or
+    whole tensors that DCP writes once) produces a checkpoint every other strategy loads.
+    """
     tmp = staging_path(path)
     if _rank() == 0:
         start_staging(path)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp))
     if _rank() == 0:
         save_file(trainer_state, tmp / TRAINER_STATE)
     _barrier()
@@ -77,16 +92,24 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     Returns the directory read (``path``, or its previous copy after a crash mid-publish): its trainer state is
     ``returned / TRAINER_STATE``.
     """
-    path = complete_checkpoint(path)
-    check_checkpoint_dir(path)
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optimizer"] = optim_state
-    load_safely(state, path)
+    path = read_checkpoint(path, state)
     set_state_dict(
         model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}), options=_FLAT
     )
+    return path
+
+
+def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
+    """Collectively fill ``state`` (a template in :func:`write_checkpoint`'s layout: the tensors this rank wants,
+    with their local shapes or DTensor placements) in place from ``path``; DCP reshards. Never runs code from
+    the files. Returns the directory read (``path``, or its previous copy after a crash mid-publish)."""
+    path = complete_checkpoint(path)
+    check_checkpoint_dir(path)
+    load_safely(state, path)
     return path
 
 
