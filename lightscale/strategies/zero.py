@@ -13,7 +13,7 @@ import sys
 import warnings
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -27,10 +27,15 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, write_checkpoint
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
+from lightscale.plugins.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
+
+
+CheckpointFormat = Literal["dcp", "deepspeed"]
 
 
 class ZeroStrategy(LightscaleStrategy):
@@ -45,6 +50,9 @@ class ZeroStrategy(LightscaleStrategy):
             the run's log dir when ``zero_infinity`` is chosen by name.
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
+        checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
+            number of ranks (lightscale/plugins/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -75,9 +83,17 @@ class ZeroStrategy(LightscaleStrategy):
         offload_params: bool = False,
         nvme_path: str | None = None,
         config: dict[str, Any] | str | None = None,
+        checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if checkpoint_format not in get_args(CheckpointFormat):
+            raise ConfigurationError(
+                f"checkpoint_format={checkpoint_format!r} is not one of {list(get_args(CheckpointFormat))}: 'dcp' is "
+                "the portable layout every strategy loads, 'deepspeed' DeepSpeed's own engine directory."
+            )
+        self.checkpoint_format = checkpoint_format
+        self._group_names: list[list[str]] = []
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
         self.user_config = _read_config(config)
@@ -180,6 +196,7 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
             )
         optimizer = optimizers[0]
+        self._group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer and self.user_config.get("zero_force_ds_cpu_optimizer") is not False:
             optimizer = cpu_adam_from(optimizer)
         return optimizer, schedulers[0] if schedulers else None
@@ -236,10 +253,34 @@ class ZeroStrategy(LightscaleStrategy):
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the engine's state is saved by save_checkpoint; nothing is gathered here
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Save through the engine's sharded format: a directory with one shard file per rank."""
+        """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
         target = Path(self.broadcast(str(filepath)))
-        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if self.checkpoint_format == "deepspeed":
+            self._save_engine_directory(target, rest)
+            return
+        rest["lightscale"] = {"format": 1, "strategy": self._name(), "world_size": self.world_size}
+        state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
+        write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
+
+    def _name(self) -> str:
+        wanted = {"stage": self.options.stage, "offload_optimizer": self.options.offload_optimizer}
+        wanted |= {"offload_params": self.options.offload_params}
+        for name, (_, params) in reversed(self.aliases.items()):
+            if {key: params.get(key, False) for key in wanted} == wanted:
+                return name
+        return type(self).__name__
+
+    def _save_engine_directory(self, target: Path, client_state: dict[str, Any]) -> None:
         # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
         if self.is_global_zero:
             start_staging(target)
@@ -252,8 +293,15 @@ class ZeroStrategy(LightscaleStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path = complete_checkpoint(Path(checkpoint_path))
+        path = complete_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        if (path / CHECKPOINT_TAG).is_dir():
+            return self._load_engine_directory(path, fitting)
+        read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
+        return self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+
+    def _load_engine_directory(self, path: Path, fitting: bool) -> dict[str, Any]:
         optimizer = self.engine.optimizer
         if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
             # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
@@ -263,7 +311,7 @@ class ZeroStrategy(LightscaleStrategy):
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
         if client_state is None:
-            raise ConfigurationError(f"{checkpoint_path} is not a checkpoint directory saved by a ZeRO strategy.")
+            raise ConfigurationError(f"{path} is not a checkpoint directory saved by a ZeRO strategy.")
         return client_state
 
     @override
