@@ -34,7 +34,6 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
 
-
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
 

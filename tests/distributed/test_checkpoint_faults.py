@@ -92,7 +92,7 @@ def _train(strategy: str, cache_dir: str, checkpoint: str, *, steps: int, resume
     saver = _SaveAt(steps, checkpoint)
     with patch.get(fault, mock.patch.dict({})):
         train_tiny_gpt(
-            strategy,
+            _strategy(strategy),
             config=_config(strategy),
             devices=2,
             batch_size=4,
@@ -103,6 +103,12 @@ def _train(strategy: str, cache_dir: str, checkpoint: str, *, steps: int, resume
             default_root_dir=str(Path(checkpoint).parent),
         )
     return saver.losses
+
+
+def _strategy(name: str) -> Any:
+    # zero2 here saves DeepSpeed's engine directory (its own atomic path); ZeRO's default format goes through the
+    # same DCP writer as fsdp2's.
+    return zero.ZeroStrategy(stage=2, checkpoint_format="deepspeed") if name == "zero2" else name
 
 
 def _config(strategy: str) -> GPTConfig:

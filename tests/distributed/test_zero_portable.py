@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.distributed as dist
 from helpers import relative_difference, train_tiny_gpt
@@ -129,7 +128,14 @@ def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tm
     for strategy, ranks in CHAIN:
         saved_to = tmp_path / f"{strategy}.ckpt"
         out = run_distributed(
-            _link, strategy, corpus_cache, step + EVERY, str(saved_to), str(previous), True, world_size=ranks,
+            _link,
+            strategy,
+            corpus_cache,
+            step + EVERY,
+            str(saved_to),
+            str(previous),
+            True,
+            world_size=ranks,
             timeout_s=300,
         )[0]
         assert_bitwise(out["restored"], read_back(previous))  # the resumed engine holds the file's values

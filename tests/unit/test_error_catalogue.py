@@ -303,6 +303,8 @@ CATALOGUE: list[tuple] = [
     ("zero-stage", "ZeRO stage 4", lambda: _zero(stage=4), CE, r"stage=4 is not valid; choose 1, 2 or 3"),
     ("zero-offload-params", "parameter offload below stage 3", lambda: _zero(stage=2, offload_params=True), CE,
      r"needs ZeRO stage 3.*stage 2.*zero3_offload"),
+    ("zero-checkpoint-format", "an unknown ZeRO checkpoint format", lambda: _zero(checkpoint_format="universal"), CE,
+     r"checkpoint_format='universal' is not one of \['dcp', 'deepspeed'\]"),
     ("zero-precision", "precision the ZeRO strategies do not support", lambda: _precision_section("64-true"), CE,
      r"precision='64-true' .*choose 32-true, bf16-mixed"),
     ("ds-owned-key", "DeepSpeed key lightscale sets itself",
