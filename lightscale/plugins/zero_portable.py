@@ -247,10 +247,14 @@ def materialize_optimizer_state(zero: Any) -> None:
         zero._lazy_init_hp_params_optimizer_state()
 
 
+# The flat fp32 partitions the inner optimizer steps, by ZeRO optimizer: ZeRO-3, ZeRO-1/2, and ZeRO-1 in bf16
+# (DeepSpeed's BF16_Optimizer).
+_FLAT_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+
+
 def _flat_partitions(zero: Any) -> list[Tensor]:
-    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
-        return list(zero.fp32_partitioned_groups_flat)
-    return list(zero.single_partition_of_fp32_groups)  # ZeRO-1/2
+    name = next(name for name in _FLAT_PARTITIONS if hasattr(zero, name))
+    return list(getattr(zero, name))
 
 
 def _refresh_working_copies(zero: Any) -> None:
