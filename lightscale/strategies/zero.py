@@ -272,10 +272,21 @@ class ZeroStrategy(LightscaleStrategy):
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
 
     def _name(self) -> str:
-        wanted = {"stage": self.options.stage, "offload_optimizer": self.options.offload_optimizer}
-        wanted |= {"offload_params": self.options.offload_params}
-        for name, (_, params) in reversed(self.aliases.items()):
-            if {key: params.get(key, False) for key in wanted} == wanted:
+        """The registered name these options match (recorded in the checkpoint), else the class name."""
+        options = self.options
+        wanted = (
+            options.stage,
+            options.offload_optimizer,
+            options.offload_params,
+            self._nvme_auto or bool(options.nvme_path),
+        )
+        for name, (_, params) in self.aliases.items():
+            offloads = (
+                params.get("offload_optimizer", False),
+                params.get("offload_params", False),
+                "nvme_path" in params,
+            )
+            if (params["stage"], *offloads) == wanted:
                 return name
         return type(self).__name__
 

@@ -141,4 +141,7 @@ def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tm
         assert_bitwise(out["restored"], read_back(previous))  # the resumed engine holds the file's values
         assert relative_difference(out["losses"], reference["losses"][step : step + EVERY]) <= TOLERANCE, strategy
         assert_bitwise(out["saved"], read_back(saved_to))
+        if strategy.startswith("zero"):
+            entry = SafeCheckpointIO().load_checkpoint(saved_to / TRAINER_STATE)["lightscale"]
+            assert entry == {"format": 1, "strategy": strategy, "world_size": ranks}
         previous, step = saved_to, step + EVERY
