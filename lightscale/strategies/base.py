@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -43,6 +45,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
@@ -65,6 +68,9 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
+    # unsharded model; sharded strategies read the layout alone.
+    reads_single_files: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -252,6 +258,50 @@ class LightscaleStrategy(ParallelStrategy):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
         return where
+
+    # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the layout loads into the parallelized model and its optimizers, which setup creates
+
+    @contextmanager
+    def checkpoint_module(self) -> Iterator[nn.Module]:
+        """The module whose state a checkpoint holds, under the LightningModule's own parameter names."""
+        yield self.lightning_module
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
+        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
+        path = Path(self.broadcast(str(filepath)))
+        with self.checkpoint_module() as module:
+            rest = self.trainer_state(checkpoint)
+            save_sharded(path, module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
+        rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
+        return {**rest, "lightscale": writer}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
+        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file() and self.reads_single_files:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        with self.checkpoint_module() as module:
+            read = load_sharded(path, module, self.optimizers if fitting else [])
+        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # a single file; the layout was loaded in load_checkpoint
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod

@@ -20,7 +20,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
@@ -77,6 +75,7 @@ class FSDP2Strategy(LightscaleStrategy):
         ),
         "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
     }
+    reads_single_files = False
 
     def __init__(
         self,
@@ -121,16 +120,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if self.dims.dp_replicate > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # shards are loaded into the sharded model and optimizer
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # loaded with the model in load_checkpoint
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -219,27 +208,6 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        path = Path(self.broadcast(str(filepath)))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        read = load_sharded(path, self.model, self.optimizers if fitting else [])
-        return self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in load_checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

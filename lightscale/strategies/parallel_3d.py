@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -58,7 +57,6 @@ from lightscale.parallel.pipeline import (
     validate_schedule,
 )
 from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
@@ -97,6 +95,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
         "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
+    reads_single_files = False
 
     def __init__(
         self,
@@ -365,48 +364,19 @@ class Parallel3DStrategy(LightscaleStrategy):
         pp_group = self.device_mesh["pp"].get_group() if self.dims.pp_enabled else None
         clip_grad_norm_(params, clip_val, pp_group=pp_group)
 
-    # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------------------
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the sharded model and optimizer must exist before their shards can be loaded into them
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
-        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``trainer_state.pt``; atomically."""
-        path = Path(self.broadcast(str(filepath)))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with self._stages_in_place():
-            save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        with self._stages_in_place():
-            read = load_sharded(path, self.lightning_module, self.optimizers)  # in place, into this rank's shards
-        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-        return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded from the shards in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded from the shards in load_checkpoint
-
+    # ---- checkpoints: the portable layout, written and read by LightscaleStrategy --------------------------------
     @contextmanager
-    def _stages_in_place(self) -> Iterator[None]:
-        """Checkpoints hold what this rank trains: its stages (after fit ``module.model`` is the whole network
-        again, whose other layers are this rank's stale copies)."""
+    @override
+    def checkpoint_module(self) -> Iterator[nn.Module]:
+        """Checkpoints hold what this rank trains: its stages, under the whole model's names (after fit
+        ``module.model`` is the whole network again, whose other layers are this rank's stale copies)."""
         module = self.lightning_module
         if self._stage_view is None or module is None or module.model is self._stage_view:
-            yield
+            yield module
             return
         network, module.model = module.model, self._stage_view
         try:
-            yield
+            yield module
         finally:
             module.model = network
 

@@ -1,0 +1,103 @@
+"""One checkpoint layout for every strategy: saved by any member, loaded by any other at any world size.
+
+The rows below are the matrix (tests/checkpoint_matrix.py explains the legs). A canonical run (fsdp2 on 2 ranks)
+trains ``END`` steps and saves at ``FIRST``; every other member loads it, trains ``LEG`` steps and saves; a chain of
+true cross pairs carries one run fsdp2@2 -> bucketed_ddp@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. All
+losses after a load must equal the canonical uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkpoint_matrix import Leg, LegResult, Member, check_loaded, check_saved, merge_ranks, run_legs
+from helpers import relative_difference
+
+from lightscale.plugins import SafeCheckpointIO
+from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
+from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, Parallel3DStrategy
+from lightscale.testing import run_distributed
+
+TOLERANCE = 1e-6  # relative, per step: the same samples per step, only the reduction order differs
+FIRST, LEG, END = 3, 5, 18  # the canonical checkpoint's step; steps per leg; the chain ends at FIRST + 3 * LEG
+
+
+def _ddp() -> BucketedDDPStrategy:
+    return BucketedDDPStrategy()
+
+
+def _fsdp2() -> FSDP2Strategy:
+    return FSDP2Strategy()
+
+
+MEMBERS = {
+    member.name: member
+    for member in [
+        Member("bucketed_ddp@1", 1, _ddp),
+        Member("bucketed_ddp@2", 2, _ddp),
+        Member("bucketed_ddp@4", 4, _ddp),
+        Member("fsdp2@1", 1, _fsdp2),
+        Member("fsdp2@2", 2, _fsdp2),
+        Member("fsdp2@4", 4, _fsdp2),
+        Member("hsdp@4", 4, lambda: FSDP2Strategy(dp_replicate=2)),
+        Member("tp2@2", 2, lambda: Parallel3DStrategy(tp=2)),
+        Member("pp2@2", 2, lambda: Parallel3DStrategy(pp=2, microbatches=2)),
+        Member("tp2_pp2@4", 4, lambda: Parallel3DStrategy(tp=2, pp=2, microbatches=2)),
+    ]
+}
+CANONICAL = "fsdp2@2"
+CHAIN = ["bucketed_ddp@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
+LOADERS = ["bucketed_ddp@2", "tp2@2", "pp2@2", "fsdp2@1", "bucketed_ddp@4", "hsdp@4"]  # load the canonical one
+
+
+def _plan(root: Path) -> list[Leg]:
+    """Every leg, in an order where each loads a checkpoint written by an earlier launch or an earlier leg."""
+    canonical = Leg(MEMBERS[CANONICAL], None, str(root / CANONICAL), END, END, save_at=FIRST)
+    legs = [canonical]
+    for name in LOADERS:
+        legs.append(Leg(MEMBERS[name], canonical.save, str(root / name), FIRST + LEG, END))
+    previous = canonical
+    for index, name in enumerate(CHAIN, start=1):
+        path = str(root / f"chain{index}_{name}")
+        previous = Leg(MEMBERS[name], previous.save, path, FIRST + index * LEG, END)
+        legs.append(previous)
+    return legs
+
+
+@pytest.fixture(scope="module")
+def matrix(corpus_cache: str, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Leg, LegResult]]:
+    legs = _plan(tmp_path_factory.mktemp("portable"))
+    done: list[tuple[Leg, LegResult]] = []
+    for world_size in (2, 1, 4):  # the canonical saver first; the chain goes 2 -> 1 -> 4
+        mine = [leg for leg in legs if leg.member.world_size == world_size]
+        per_rank = run_distributed(run_legs, mine, corpus_cache, world_size=world_size, timeout_s=600)
+        for index, leg in enumerate(mine):
+            results = [ranks[index] for ranks in per_rank]
+            loaded = merge_ranks([result.loaded for result in results]) if leg.load else None
+            saved = merge_ranks([result.saved for result in results])
+            done.append((leg, LegResult(results[0].losses, loaded, saved, results[0].saved_step)))
+    return done
+
+
+def test_every_checkpoint_holds_the_live_state_bitwise(matrix: list[tuple[Leg, LegResult]]) -> None:
+    for leg, result in matrix:
+        check_saved(leg.save, result.saved, result.saved_step)
+        writer = SafeCheckpointIO().load_checkpoint(Path(leg.save) / TRAINER_STATE)["lightscale"]
+        assert writer["world_size"] == leg.member.world_size and writer["format"] == 1, leg.member.name
+
+
+def test_every_load_restores_the_saved_state_bitwise(matrix: list[tuple[Leg, LegResult]]) -> None:
+    saved = {leg.save: result.saved for leg, result in matrix}
+    for leg, result in matrix:
+        if leg.load is not None:
+            assert result.loaded is not None
+            check_loaded(result.loaded, saved[leg.load])
+
+
+def test_losses_after_every_load_equal_the_uninterrupted_run(matrix: list[tuple[Leg, LegResult]]) -> None:
+    uninterrupted = matrix[0][1].losses
+    assert len(uninterrupted) == END
+    for leg, result in matrix[1:]:
+        start = leg.until - LEG
+        assert relative_difference(result.losses, uninterrupted[start : leg.until]) <= TOLERANCE, leg.member.name
