@@ -10,12 +10,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
-from checkpoint_matrix import Leg, LegResult, Member, check_loaded, check_saved, merge_ranks, run_legs
-from helpers import relative_difference
+import torch
+from checkpoint_matrix import (
+    CONFIG,
+    GLOBAL_BATCH,
+    Leg,
+    LegResult,
+    Member,
+    check_loaded,
+    check_saved,
+    merge_ranks,
+    read_offline,
+    run_legs,
+)
+from helpers import relative_difference, train_tiny_gpt
 
 from lightscale.plugins import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
+from lightscale.recipes.gpt import GPTModule
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, Parallel3DStrategy
 from lightscale.testing import run_distributed
 
@@ -101,3 +115,55 @@ def test_losses_after_every_load_equal_the_uninterrupted_run(matrix: list[tuple[
     for leg, result in matrix[1:]:
         start = leg.until - LEG
         assert relative_difference(result.losses, uninterrupted[start : leg.until]) <= TOLERANCE, leg.member.name
+
+
+def test_checkpoints_use_the_lightning_modules_own_names(matrix: list[tuple[Leg, LegResult]]) -> None:
+    names = {f"model.{name}" for name in GPTModule(CONFIG).state_dict()}
+    for leg, _ in matrix:  # pipeline stages included: every stage saves under the whole model's names
+        assert {key for key in read_offline(leg.save) if key.startswith("model.")} == names, leg.member.name
+
+
+def _from_a_single_file(cache_dir: str, checkpoint: str) -> tuple[int, list[str]]:
+    """Train 3 steps under Lightning's own single-device strategy (one ``.ckpt`` file, the format bucketed_ddp wrote
+    before the layout), then resume under bucketed_ddp; return how many tensors were compared after the load and
+    which differ from the file."""
+    train_tiny_gpt(
+        "auto",
+        devices=1,
+        batch_size=GLOBAL_BATCH,
+        cache_dir=cache_dir,
+        config=CONFIG,
+        max_steps=FIRST,
+        stop_after=FIRST,
+        save_checkpoint_to=checkpoint,
+    )
+    saved = SafeCheckpointIO().load_checkpoint(checkpoint)
+    differences: list[str] = []
+    compared: list[int] = []
+
+    class Compare(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            model = pl_module.state_dict()
+            differences.extend(k for k, v in saved["state_dict"].items() if not torch.equal(model[k], v))
+            optim = trainer.optimizers[0].state_dict()["state"]
+            for index, state in saved["optimizer_states"][0]["state"].items():
+                differences.extend(f"{index}.{k}" for k, v in state.items() if not torch.equal(optim[index][k], v))
+            compared.append(len(model) + sum(len(state) for state in optim.values()))
+
+    train_tiny_gpt(
+        _ddp(),
+        devices=1,
+        batch_size=GLOBAL_BATCH,
+        cache_dir=cache_dir,
+        config=CONFIG,
+        max_steps=FIRST + 1,
+        resume_from=checkpoint,
+        extra_callbacks=[Compare()],
+    )
+    return compared[0], differences
+
+
+def test_bucketed_ddp_still_loads_a_single_file_checkpoint(corpus_cache: str, tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "single.ckpt")
+    compared, differences = run_distributed(_from_a_single_file, corpus_cache, checkpoint, world_size=1)[0]
+    assert Path(checkpoint).is_file() and compared >= 4 * len(list(GPTModule(CONFIG).parameters())) and differences == []
