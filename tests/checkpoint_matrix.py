@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.recipes.gpt import GPTConfig
 
 # Untied embeddings and 2 blocks: every pipeline split of the GPT recipe is possible (tied weights cannot span stages).
 CONFIG = dataclasses.replace(TINY, n_layer=2, tie_weights=False)
@@ -84,6 +85,7 @@ class Leg:
     until: int
     max_steps: int
     save_at: int | None = None
+    config: GPTConfig = dataclasses.field(default_factory=lambda: CONFIG)
 
 
 @dataclasses.dataclass
@@ -129,7 +131,7 @@ def run_legs(legs: list[Leg], cache_dir: str) -> list[LegResult]:
             batch_size=leg.member.batch_per_rank(),
             cache_dir=cache_dir,
             max_steps=leg.max_steps,
-            config=CONFIG,
+            config=leg.config,
             extra_callbacks=[observe],
             resume_from=leg.load,
         )

@@ -8,6 +8,7 @@ losses after a load must equal the canonical uninterrupted run's.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,9 +28,10 @@ from checkpoint_matrix import (
 )
 from helpers import relative_difference, train_tiny_gpt
 
+from lightscale.parallel.moe import MoEConfig
 from lightscale.plugins import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
-from lightscale.recipes.gpt import GPTModule
+from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, Parallel3DStrategy
 from lightscale.testing import run_distributed
 
@@ -58,25 +60,34 @@ MEMBERS = {
         Member("tp2@2", 2, lambda: Parallel3DStrategy(tp=2)),
         Member("pp2@2", 2, lambda: Parallel3DStrategy(pp=2, microbatches=2)),
         Member("tp2_pp2@4", 4, lambda: Parallel3DStrategy(tp=2, pp=2, microbatches=2)),
+        Member("ep2@2", 2, lambda: Parallel3DStrategy(ep=2)),
+        Member("ep2@4", 4, lambda: Parallel3DStrategy(ep=2)),
     ]
 }
 CANONICAL = "fsdp2@2"
 CHAIN = ["bucketed_ddp@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
 LOADERS = ["bucketed_ddp@2", "tp2@2", "pp2@2", "fsdp2@1", "bucketed_ddp@4", "hsdp@4"]  # load the canonical one
+# Expert parallelism needs a MoE model: its own canonical run and chain, experts split 2 -> whole -> 2 of 4 ranks.
+MOE = dataclasses.replace(CONFIG, moe=MoEConfig(n_experts=4, top_k=2, balance="bias"))
+MOE_CANONICAL, MOE_CHAIN = "ep2@2", ["fsdp2@1", "ep2@4"]
+
+
+def _chain(root: Path, canonical: Leg, names: list[str], config: GPTConfig) -> list[Leg]:
+    legs, previous = [], canonical
+    for index, name in enumerate(names, start=1):
+        path = str(root / f"{canonical.member.name}_chain{index}_{name}")
+        previous = Leg(MEMBERS[name], previous.save, path, FIRST + index * LEG, END, config=config)
+        legs.append(previous)
+    return legs
 
 
 def _plan(root: Path) -> list[Leg]:
     """Every leg, in an order where each loads a checkpoint written by an earlier launch or an earlier leg."""
     canonical = Leg(MEMBERS[CANONICAL], None, str(root / CANONICAL), END, END, save_at=FIRST)
-    legs = [canonical]
-    for name in LOADERS:
-        legs.append(Leg(MEMBERS[name], canonical.save, str(root / name), FIRST + LEG, END))
-    previous = canonical
-    for index, name in enumerate(CHAIN, start=1):
-        path = str(root / f"chain{index}_{name}")
-        previous = Leg(MEMBERS[name], previous.save, path, FIRST + index * LEG, END)
-        legs.append(previous)
-    return legs
+    moe = Leg(MEMBERS[MOE_CANONICAL], None, str(root / MOE_CANONICAL), END, END, save_at=FIRST, config=MOE)
+    legs = [canonical, moe]
+    legs += [Leg(MEMBERS[name], canonical.save, str(root / name), FIRST + LEG, END) for name in LOADERS]
+    return legs + _chain(root, canonical, CHAIN, CONFIG) + _chain(root, moe, MOE_CHAIN, MOE)
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +121,22 @@ def test_every_load_restores_the_saved_state_bitwise(matrix: list[tuple[Leg, Leg
 
 
 def test_losses_after_every_load_equal_the_uninterrupted_run(matrix: list[tuple[Leg, LegResult]]) -> None:
-    uninterrupted = matrix[0][1].losses
-    assert len(uninterrupted) == END
-    for leg, result in matrix[1:]:
+    by_checkpoint = {leg.save: (leg, result) for leg, result in matrix}
+    for leg, result in matrix:
+        root = leg
+        while root.load is not None:  # the run this leg continues: the canonical one its chain started from
+            root = by_checkpoint[root.load][0]
+        uninterrupted = by_checkpoint[root.save][1].losses
+        if leg is root:
+            assert len(uninterrupted) == END
+            continue
         start = leg.until - LEG
         assert relative_difference(result.losses, uninterrupted[start : leg.until]) <= TOLERANCE, leg.member.name
 
 
 def test_checkpoints_use_the_lightning_modules_own_names(matrix: list[tuple[Leg, LegResult]]) -> None:
-    names = {f"model.{name}" for name in GPTModule(CONFIG).state_dict()}
-    for leg, _ in matrix:  # pipeline stages included: every stage saves under the whole model's names
+    for leg, _ in matrix:  # pipeline stages and expert shards included: every rank saves under the model's names
+        names = {f"model.model.{name}" for name in GPT(leg.config).state_dict()}  # DCP's "model." + the module's
         assert {key for key in read_offline(leg.save) if key.startswith("model.")} == names, leg.member.name
 
 
@@ -166,4 +183,5 @@ def _from_a_single_file(cache_dir: str, checkpoint: str) -> tuple[int, list[str]
 def test_bucketed_ddp_still_loads_a_single_file_checkpoint(corpus_cache: str, tmp_path: Path) -> None:
     checkpoint = str(tmp_path / "single.ckpt")
     compared, differences = run_distributed(_from_a_single_file, corpus_cache, checkpoint, world_size=1)[0]
-    assert Path(checkpoint).is_file() and compared >= 4 * len(list(GPTModule(CONFIG).parameters())) and differences == []
+    assert Path(checkpoint).is_file() and differences == []
+    assert compared >= 4 * len(list(GPT(CONFIG).parameters()))  # weights, both moments and step of each
