@@ -10,7 +10,7 @@ a world size) that loads a checkpoint, trains a few steps, and saves. One leg ch
 Legs of one world size run in one launch (imports and process-group start-up once).
 
 A member is a row ``(name, world_size, strategy factory)``; a strategy family that gathers its live state another way
-(a DeepSpeed engine) gives ``live_state`` too.
+(a DeepSpeed engine) gives ``live_state`` too. What is trained is a :class:`Workload`: the GPT recipe by default.
 
 Example:
     >>> MEMBERS.append(Member("zero2", 2, lambda: ZeroStrategy(stage=2), live_state=zero_live_state))
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
-from lightscale.recipes.gpt import GPTConfig
+from lightscale.recipes.gpt import GPT, GPTConfig
 
 # Untied embeddings and 2 blocks: every pipeline split of the GPT recipe is possible (tied weights cannot span stages).
 CONFIG = dataclasses.replace(TINY, n_layer=2, tie_weights=False)
@@ -57,6 +57,39 @@ def _copy(value: Any) -> Any:
     if isinstance(value, DTensor):
         return value.full_tensor()
     return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+class Workload(Protocol):
+    """A model and its data: fits under ``strategy`` and returns the global loss of every optimizer step."""
+
+    def fit(
+        self,
+        strategy: Any,
+        *,
+        devices: int,
+        batch_size: int,
+        cache_dir: str,
+        max_steps: int,
+        callbacks: list[pl.Callback],
+        resume_from: str | None,
+    ) -> list[float]: ...
+
+    def state_names(self) -> set[str]:
+        """The LightningModule's own ``state_dict`` keys: the names every checkpoint must use."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTWorkload:
+    """The GPT recipe (AdamW, warm-up then cosine schedule) on its default corpus."""
+
+    config: GPTConfig = dataclasses.field(default_factory=lambda: CONFIG)
+
+    def fit(self, strategy: Any, *, callbacks: list[pl.Callback], **kwargs: Any) -> list[float]:
+        return train_tiny_gpt(strategy, config=self.config, extra_callbacks=callbacks, **kwargs)
+
+    def state_names(self) -> set[str]:
+        return {f"model.{name}" for name in GPT(self.config).state_dict()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +118,7 @@ class Leg:
     until: int
     max_steps: int
     save_at: int | None = None
-    config: GPTConfig = dataclasses.field(default_factory=lambda: CONFIG)
+    workload: Workload = dataclasses.field(default_factory=GPTWorkload)
 
 
 @dataclasses.dataclass
@@ -125,14 +158,13 @@ def run_legs(legs: list[Leg], cache_dir: str) -> list[LegResult]:
     results = []
     for leg in legs:
         observe = _Observe(leg)
-        losses = train_tiny_gpt(
+        losses = leg.workload.fit(
             leg.member.strategy(),
             devices=dist.get_world_size(),
             batch_size=leg.member.batch_per_rank(),
             cache_dir=cache_dir,
             max_steps=leg.max_steps,
-            config=leg.config,
-            extra_callbacks=[observe],
+            callbacks=[observe],
             resume_from=leg.load,
         )
         results.append(LegResult(losses, observe.loaded, observe.saved, observe.saved_step))
@@ -169,10 +201,12 @@ def read_offline(path: str | Path) -> dict[str, Tensor]:
     return full
 
 
-def check_saved(path: str, saved: State, step: int) -> None:
-    """The checkpoint holds exactly the live tensors at the save, bitwise; Adam's step counters equal ``step``."""
+def check_saved(path: str, saved: State, step: int, *, names: set[str]) -> None:
+    """The checkpoint holds exactly the live tensors at the save, bitwise, its model entries named ``names`` (the
+    LightningModule's own); Adam's step counters equal ``step``."""
     assert (Path(path) / TRAINER_STATE).is_file()
     offline = read_offline(path)
+    assert {key for key in offline if key.startswith("model.")} == {f"model.{name}" for name in names}
     live = {key: value for key, value in saved.items() if isinstance(value, Tensor)}
     assert sorted(offline) == sorted(live)
     for key, tensor in live.items():
