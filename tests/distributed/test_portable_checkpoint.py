@@ -248,3 +248,13 @@ def test_bucketed_ddp_still_loads_a_single_file_checkpoint(corpus_cache: str, tm
     compared, differences = run_distributed(_from_a_single_file, corpus_cache, checkpoint, world_size=1)[0]
     assert Path(checkpoint).is_file() and differences == []
     assert compared >= 4 * len(list(GPT(CONFIG).parameters()))  # weights, both moments and step of each
+
+
+def test_replicated_tensors_are_written_once(matrix: list[tuple[Leg, LegResult]]) -> None:
+    """bucketed_ddp's ranks all hold every tensor; DCP writes each once: the same bytes as one rank's checkpoint."""
+    sizes = {
+        leg.save: sum(path.stat().st_size for path in Path(leg.save).glob("*.distcp"))
+        for leg, _ in matrix
+        if leg.member.name in ("bucketed_ddp@2", "bucketed_ddp@4", "fsdp2@1") and leg.load == matrix[0][0].save
+    }
+    assert len(sizes) == 3 and len(set(sizes.values())) == 1, sizes
