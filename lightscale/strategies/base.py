@@ -2,7 +2,8 @@
 
 What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
 parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
-plugins, applying parallelism to the model from outside it, and teardown.
+plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
+(lightscale/plugins/distributed_checkpoint.py: any strategy's, at any world size), and teardown.
 
 What a subclass supplies:
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);

@@ -1,7 +1,8 @@
 """``bucketed_ddp``: lightscale's own data parallelism, written on ``torch.distributed`` collectives.
 
 The model is not wrapped: :class:`~lightscale.parallel.BucketedGradReducer` hooks its parameters, so
-``self.model`` stays the user's LightningModule and checkpoints hold its plain state dict.
+``self.model`` stays the user's LightningModule. Checkpoints are the portable layout of every lightscale strategy
+(whole tensors, written once; see ``LightscaleStrategy.save_checkpoint``); single-file ``.ckpt`` still load.
 """
 
 from __future__ import annotations
