@@ -1,9 +1,10 @@
 """One checkpoint layout for every strategy: saved by any member, loaded by any other at any world size.
 
-The rows below are the matrix (tests/checkpoint_matrix.py explains the legs). A canonical run (fsdp2 on 2 ranks)
-trains ``END`` steps and saves at ``FIRST``; every other member loads it, trains ``LEG`` steps and saves; a chain of
-true cross pairs carries one run fsdp2@2 -> bucketed_ddp@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. All
-losses after a load must equal the canonical uninterrupted run's.
+The rows below are the matrix (tests/checkpoint_matrix.py explains the legs). A canonical GPT run (fsdp2 on 2 ranks)
+trains ``END`` steps and saves at ``FIRST``; the other members load it, train ``LEG`` steps and save; a chain of
+true cross pairs carries one run fsdp2@2 -> bucketed_ddp@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. A MoE
+GPT (expert parallelism) and a user's model have their own canonical run and chain. Launches go by world size
+2 -> 1 -> 4, so each chain may only climb that order. All losses after a load must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ MEMBERS = {
         Member("fsdp2@2", 2, _fsdp2),
         Member("fsdp2@4", 4, _fsdp2),
         Member("hsdp@4", 4, lambda: FSDP2Strategy(dp_replicate=2)),
+        Member("parallel_3d@1", 1, Parallel3DStrategy),
         Member("tp2@2", 2, lambda: Parallel3DStrategy(tp=2)),
+        Member("tp2@4", 4, lambda: Parallel3DStrategy(tp=2)),
         Member("pp2@2", 2, lambda: Parallel3DStrategy(pp=2, microbatches=2)),
+        Member("pp2@4", 4, lambda: Parallel3DStrategy(pp=2, microbatches=2)),
         Member("tp2_pp2@4", 4, lambda: Parallel3DStrategy(tp=2, pp=2, microbatches=2)),
         Member("ep2@2", 2, lambda: Parallel3DStrategy(ep=2)),
         Member("ep2@4", 4, lambda: Parallel3DStrategy(ep=2)),
@@ -126,14 +130,18 @@ MEMBERS = {
 }
 CANONICAL = "fsdp2@2"
 CHAIN = ["bucketed_ddp@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
-LOADERS = ["bucketed_ddp@2", "tp2@2", "pp2@2", "fsdp2@1", "bucketed_ddp@4", "hsdp@4"]  # load the canonical one
+LOADERS = [  # load the canonical one
+    *("bucketed_ddp@2", "tp2@2", "pp2@2"),
+    *("fsdp2@1", "parallel_3d@1"),  # and bucketed_ddp@1, the chain's first link
+    *("bucketed_ddp@4", "hsdp@4", "tp2@4", "pp2@4"),
+]
 # Expert parallelism needs a MoE model: its own canonical run and chain, experts split 2 -> whole -> 2 of 4 ranks.
 MOE = dataclasses.replace(CONFIG, moe=MoEConfig(n_experts=4, top_k=2, balance="bias"))
 MOE_CANONICAL, MOE_CHAIN = "ep2@2", ["fsdp2@1", "ep2@4"]
 
 
 # A model lightscale did not write (below): data-parallel members only (it has no TP plan or pipeline split).
-USER_CANONICAL, USER_CHAIN = "fsdp2@2", ["bucketed_ddp@1", "hsdp@4"]
+USER_CANONICAL, USER_CHAIN = "bucketed_ddp@2", ["fsdp2@2", "bucketed_ddp@1", "hsdp@4"]
 
 
 def _canonical(root: Path, name: str, workload: Workload, tag: str) -> Leg:
