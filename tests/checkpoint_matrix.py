@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,7 +141,7 @@ class _Observe(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.leg.load is not None:
-            self.loaded = self.leg.member.live_state(trainer)
+            self.loaded = self._snapshot(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == (self.leg.save_at or self.leg.until):
@@ -149,8 +150,14 @@ class _Observe(pl.Callback):
             trainer.should_stop = True
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        self.saved = self.leg.member.live_state(trainer)
+        self.saved = self._snapshot(trainer)
         self.saved_step = trainer.global_step
+
+    def _snapshot(self, trainer: pl.Trainer) -> State:
+        """The member's live state plus the loop's step and the LR schedulers' state (trainer_state.pt's part)."""
+        schedulers = [deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        loop = {"trainer.global_step": trainer.global_step, "trainer.lr_schedulers": schedulers}
+        return self.leg.member.live_state(trainer) | loop
 
 
 def run_legs(legs: list[Leg], cache_dir: str) -> list[LegResult]:
@@ -217,7 +224,8 @@ def check_saved(path: str, saved: State, step: int, *, names: set[str]) -> None:
 
 
 def check_loaded(loaded: State, saved: State) -> None:
-    """Parameters, moments, step counters and parameter groups after the load equal those at the save, bitwise."""
+    """Parameters, moments, step counters, parameter groups, the global step and the LR schedulers' state after
+    the load equal those at the save, bitwise."""
     assert sorted(loaded) == sorted(saved)
     for key, value in saved.items():
         assert same(loaded[key], value), key
