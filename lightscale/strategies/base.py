@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
+from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
@@ -100,6 +101,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -284,7 +286,7 @@ class LightscaleStrategy(ParallelStrategy):
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
         rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
         writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
-        return {**rest, "lightscale": writer}
+        return {**rest, "lightscale": {**writer, "rng": gather_rng_states()}}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -297,7 +299,15 @@ class LightscaleStrategy(ParallelStrategy):
         with self.checkpoint_module() as module:
             read = load_sharded(path, module, self.optimizers if fitting else [])
         meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        if fitting:  # set at the first batch: creating the data iterator after this load draws from torch's RNG
+            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
         return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        states, self._saved_rng_states = self._saved_rng_states, None
+        if states is not None:
+            restore_rng_states(states)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
