@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import clip_grad_norm_
+from lightscale.plugins.precision_contract import DTYPES
 
 
 def precision_name(plugin: Precision) -> str:
@@ -36,18 +37,21 @@ def precision_name(plugin: Precision) -> str:
     name = "32-true" if name == "32" else name
     if name not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
         raise ConfigurationError(
-            f"precision={name!r} is not supported by the FSDP2 strategies; choose 32-true, bf16-mixed, 16-mixed or "
+            f"precision={name!r} is not supported by lightscale's strategies; choose 32-true, bf16-mixed, 16-mixed or "
             "bf16-true."
         )
     return name
 
 
-def mp_policy(precision: str) -> MixedPrecisionPolicy:
-    """The FSDP2 mixed-precision policy for a Trainer precision name."""
-    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if compute is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+def mp_policy(precision: str, compression: str = "none", *, cast_params: bool = True) -> MixedPrecisionPolicy:
+    """The FSDP2 mixed-precision policy for a Trainer precision name (the contract in precision_contract.py).
+
+    Mixed modes compute with parameters cast to bf16/fp16 and reduce gradients in fp32; ``compression`` reduces in
+    bf16/fp16 instead. ``cast_params=False`` leaves compute to autocast (a pipeline stage) and sets only the reduction.
+    """
+    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision) if cast_params else None
+    reduce = DTYPES.get(compression) or (torch.float32 if compute is not None else None)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
 
 
 class _ShardedClipping:

@@ -65,6 +65,7 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
 
     def __init__(
         self,
