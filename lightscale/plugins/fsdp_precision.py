@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -72,8 +75,6 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
     def __init__(self, precision: str, device: str) -> None:
         scaler = None
         if precision == "16-mixed":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             scaler = ShardedGradScaler(device=device)
         super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
 
@@ -94,3 +95,27 @@ def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
     if precision == "bf16-true":
         return FSDP2HalfPrecision("bf16-true")
     return FSDP2Precision()
+
+
+class MixedTensorGradScaler(ShardedGradScaler):
+    """``ShardedGradScaler`` (one skip-or-step decision over all ranks) for a model whose parameters are partly
+    DTensors (layers in the tensor-parallel plan) and partly plain tensors (the rest): torch's fused unscale kernel
+    refuses such a mix in one call, so each kind is unscaled by its own call into the same found-inf flag.
+
+    Example:
+        >>> MixedPrecision("16-mixed", "cpu", scaler=MixedTensorGradScaler(device="cpu"))
+    """
+
+    @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        kinds: dict[bool, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                kinds.setdefault(isinstance(param, DTensor), []).append(param)
+        flags: dict[torch.device, torch.Tensor] = {}
+        for params in kinds.values():  # the found-inf tensor per device is shared: both calls set the same flag
+            view = SimpleNamespace(param_groups=[{"params": params}])
+            flags.update(super()._unscale_grads_(view, inv_scale, found_inf, allow_fp16))  # type: ignore[arg-type]
+        return flags

@@ -28,7 +28,6 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -59,7 +58,12 @@ from lightscale.parallel.pipeline import (
 )
 from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
-from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import (
+    MixedTensorGradScaler,
+    fsdp2_precision_plugin,
+    mp_policy,
+    precision_name,
+)
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
@@ -368,7 +372,7 @@ class Parallel3DStrategy(LightscaleStrategy):
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
             device = self.root_device.type
-            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
+            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=MixedTensorGradScaler(device=device))
         super().setup(trainer)
         # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
