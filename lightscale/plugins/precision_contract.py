@@ -76,6 +76,17 @@ _DS_BF16 = (
 )
 _DS_FP16 = "DeepSpeed's fp16 engine: fp16 parameters, an fp32 master copy and DeepSpeed's dynamic loss scaler"
 _DIFFERENT = {
+    ("zero", "32-true"): Meaning(
+        "fp32",
+        "fp32",
+        "fp32",
+        "fp32",
+        "fp32",
+        False,
+        "plain fp32",
+        "DeepSpeed's optimizer steps its own fp32 copy of each rank's partition (4 more bytes per parameter / N); "
+        "the values are the same",
+    ),
     ("zero", "bf16-mixed"): Meaning(
         "bf16", "bf16", "fp32", "fp32", "fp32", False, "DeepSpeed bf16 + communication_data_type=fp32", _DS_BF16
     ),
