@@ -40,7 +40,9 @@ def check_strategy_precision(strategy: object, precision: str | int | None, acce
         return
     name = "32-true" if str(precision) in ("32", "32-true") else str(precision)
     on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
-    refuse_impossible(family, name, device_type="cpu" if on_cpu else "cuda")
+    compression = getattr(strategy, "compression", "none")  # an instance's argument; a name's class has none
+    compression = compression if isinstance(compression, str) else "none"
+    refuse_impossible(family, name, device_type="cpu" if on_cpu else "cuda", compression=compression)
 
 
 def _precision_family(strategy: object) -> Family | None:
