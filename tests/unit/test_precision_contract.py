@@ -29,7 +29,7 @@ def test_docs_table_is_the_code_table() -> None:
     fresh = f"{head}{BEGIN}\n{render_table()}{END}{tail}"
     if os.environ.get("LIGHTSCALE_UPDATE_ERRORS"):
         DOC.write_text(fresh)
-    assert text == fresh, "docs/plugins/precision.md is stale: rerun with LIGHTSCALE_UPDATE_ERRORS=1"
+    assert DOC.read_text() == fresh, "docs/plugins/precision.md is stale: rerun with LIGHTSCALE_UPDATE_ERRORS=1"
 
 
 def test_mixed_modes_reduce_in_fp32_unless_compression_asks() -> None:
