@@ -1,7 +1,7 @@
 """The precision contract's table: docs/plugins/precision.md shows it, and Lightning's callbacks read our plugins.
 
 Regenerate the page's table after changing the contract: ``LIGHTSCALE_UPDATE_ERRORS=1 pytest
-tests/unit/test_precision_contract.py`` (the same switch that regenerates docs/errors.md).
+tests/unit/test_precision_table.py`` (the same switch that regenerates docs/errors.md).
 """
 
 from __future__ import annotations
