@@ -371,7 +371,8 @@ CATALOGUE: list[tuple] = [
     ("compression-p3d", "unknown compression under parallel_3d", lambda: _p3d(compression="bf32"), CE,
      r"compression='bf32' is not valid"),
     ("ds-comm-dtype", "DeepSpeed communication_data_type set by hand",
-     lambda: _ds_config({"communication_data_type": "fp16"}), CE, r"'communication_data_type' is set by lightscale from the strategy's compression"),
+     lambda: _ds_config({"communication_data_type": "fp16"}), CE,
+     r"'communication_data_type' is set by lightscale from the strategy's compression"),
 ]
 # fmt: on
 
