@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import lightscale
+from lightscale.parallel.moe import MoE, MoEConfig
 from lightscale.parallel.pipeline import even_stage_split
 from lightscale.plugins.precision_contract import NAMES, PRECISIONS, meaning, refusal
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy
@@ -48,6 +49,7 @@ CASES: dict[str, tuple[str, int]] = {
     "parallel_3d": ("parallel_3d", 2),
     "tp2": ("parallel_3d", 1),
     "pp2": ("parallel_3d", 1),
+    "ep2": ("parallel_3d", 2),  # experts sharded over both ranks, each a data-parallel rank; the model has an MoE
     "zero1": ("zero", 2),
     "zero3": ("zero", 2),
     "zero3_offload": ("zero", 2),
@@ -56,7 +58,7 @@ CASES: dict[str, tuple[str, int]] = {
 COMPRESSION = {"bucketed_ddp_bf16": "bf16", "fsdp2_bf16": "bf16", "zero2_bf16": "bf16"}
 LAUNCHES = {
     "ddp_fsdp2": ["bucketed_ddp", "bucketed_ddp_bf16", "fsdp2", "hsdp", "fsdp2_offload", "fsdp2_bf16"],
-    "parallel_3d": ["parallel_3d", "tp2", "pp2"],
+    "parallel_3d": ["parallel_3d", "tp2", "pp2", "ep2"],
     "zero": ["zero1", "zero2_bf16", "zero3", "zero3_offload"],  # stage 2 runs with compression="bf16"
 }
 
@@ -100,10 +102,24 @@ class Net(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
+class MoENet(Net):
+    """The same network with a mixture-of-experts layer (lightscale's) after the blocks, for expert parallelism."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__(width)
+        self.moe = MoE(width, MoEConfig(n_experts=2, top_k=1, hidden=width, balance="none"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks.values():
+            h = block(h)
+        return self.head(h + self.moe(h.unsqueeze(1)).squeeze(1))
+
+
 class UserModule(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, *, experts: bool = False) -> None:
         super().__init__()
-        self.model = Net()
+        self.model = MoENet() if experts else Net()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -226,15 +242,16 @@ class Probe(pl.Callback):
 def _fit(name: str, precision: str, steps: int) -> Observed:
     _REDUCED.clear()
     pl.seed_everything(7, verbose=False)
-    module = UserModule()
+    module = UserModule(experts=name.startswith("ep") or name == "auto-moe")
     probe = Probe(module)
     generator = torch.Generator().manual_seed(0)
     size = GLOBAL_BATCH * steps
     data = TensorDataset(torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator))
     dp = CASES[name][1] if name in CASES else 1
+    strategy = "auto" if name.startswith("auto") else _strategy(name)
     rank = dist.get_rank() % dp  # data-parallel ranks take every dp-th sample: their batches make the global one
     trainer = lightscale.Trainer(
-        strategy=_strategy(name),
+        strategy=strategy,
         accelerator="cpu",
         devices=dist.get_world_size(),
         precision=precision,
@@ -269,13 +286,14 @@ def _launch(names: list[str]) -> dict[tuple[str, str], Observed]:
     return runs
 
 
-def _reference(precision: str) -> list[float]:
-    return _fit("auto", precision, PARITY_STEPS).losses
+def _references() -> dict[tuple[str, str], list[float]]:
+    runs = [(model, p) for model in ("auto", "auto-moe") for p in ("32-true", "bf16-mixed")]
+    return {(model, p): _fit(model, p, PARITY_STEPS).losses for model, p in runs}
 
 
 @pytest.fixture(scope="module")
-def one_process() -> dict[str, list[float]]:
-    return run_distributed(lambda: {p: _reference(p) for p in ("32-true", "bf16-mixed")}, world_size=1)[0]
+def one_process() -> dict[tuple[str, str], list[float]]:
+    return run_distributed(_references, world_size=1)[0]
 
 
 def _mismatches(name: str, precision: str, seen: Observed) -> list[str]:
@@ -295,7 +313,7 @@ def _mismatches(name: str, precision: str, seen: Observed) -> list[str]:
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_dtypes_follow_the_contract_and_bf16_mixed_matches_one_process(
-    launch: str, one_process: dict[str, list[float]]
+    launch: str, one_process: dict[tuple[str, str], list[float]]
 ) -> None:
     per_rank = run_distributed(_launch, LAUNCHES[launch], world_size=2, timeout_s=400)
     wrong = []
@@ -304,11 +322,12 @@ def test_dtypes_follow_the_contract_and_bf16_mixed_matches_one_process(
         seen.reduce |= other.reduce  # a rank of a pipeline or of an uneven split may see only some collectives
         seen.compute |= other.compute
         wrong += _mismatches(name, precision, seen)
-        if precision in one_process:
+        reference = one_process.get(("auto-moe" if name.startswith("ep") else "auto", precision))
+        if reference is not None:
             tolerance = BF16_TOLERANCE if precision == "bf16-mixed" or name in COMPRESSION else FP32_TOLERANCE
-            difference = relative_difference(seen.losses, one_process[precision])
+            difference = relative_difference(seen.losses, reference)
             print(f"{name} {precision}: max relative loss difference {difference:.2e} over {PARITY_STEPS} steps")
             if difference > tolerance:
                 wrong.append(f"{name} {precision}: losses differ by {difference:.2e} > {tolerance}")
     assert not wrong, "\n".join(wrong)
-    assert one_process["bf16-mixed"][-1] < one_process["bf16-mixed"][0]  # it learned
+    assert one_process["auto", "bf16-mixed"][-1] < one_process["auto", "bf16-mixed"][0]  # it learned
