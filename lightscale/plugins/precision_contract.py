@@ -91,7 +91,14 @@ _DIFFERENT = {
         "bf16", "bf16", "fp32", "fp32", "fp32", False, "DeepSpeed bf16 + communication_data_type=fp32", _DS_BF16
     ),
     ("zero", "16-mixed"): Meaning(
-        "fp16", "fp16", "fp32", "fp32", "fp32", True, "DeepSpeed fp16 + communication_data_type=fp32", _DS_FP16
+        "fp16",
+        "fp16",
+        "fp32",
+        "fp32",
+        "fp32",
+        True,
+        "DeepSpeed fp16 + communication_data_type=fp32 (CUDA only: not observed by the CPU test)",
+        _DS_FP16,
     ),
     ("zero", "bf16-true"): Meaning(
         "bf16", "bf16", "bf16", "fp32", "fp32", False, "DeepSpeed bf16", _DS_BF16 + " (it has no pure-bf16 optimizer)"
