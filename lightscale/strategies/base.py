@@ -73,6 +73,7 @@ class LightscaleStrategy(ParallelStrategy):
     # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
     # unsharded model; sharded strategies read the layout alone.
     reads_single_files: ClassVar[bool] = True
+    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
@@ -57,12 +58,15 @@ class FSDP2Strategy(LightscaleStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (per unit) or ``"selective"`` (keep matmul outputs).
         compile: ``torch.compile`` each unit.
         meta_init: build the model on the meta device and materialize only local shards.
+        compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype instead of fp32 (``reduce_dtype``), the
+            same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
         >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
     """
 
+    precision_family = "fsdp2"
     aliases = {
         "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
         "fsdp2_grad_op": (
@@ -89,9 +93,11 @@ class FSDP2Strategy(LightscaleStrategy):
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
         meta_init: bool = True,
+        compression: Compression = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_compression(compression)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
         for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
@@ -106,6 +112,7 @@ class FSDP2Strategy(LightscaleStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.meta_init = meta_init
+        self.compression = compression
         self._rng_state: dict[str, torch.Tensor] | None = None
         self._root: nn.Module | None = None  # where FSDP roots: the network child or the LightningModule
 
@@ -137,7 +144,9 @@ class FSDP2Strategy(LightscaleStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin = fsdp2_precision_plugin(precision_name(self.precision_plugin), self.root_device.type)
+        name = precision_name(self.precision_plugin)
+        enforce_contract("fsdp2", name, device_type=self.root_device.type, compression=self.compression)
+        self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         self.precision_plugin.convert_module(self.model)
         self.model = self.apply_parallelism(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -160,7 +169,7 @@ class FSDP2Strategy(LightscaleStrategy):
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
-            mp_policy=mp_policy(precision_name(self.precision_plugin)),
+            mp_policy=mp_policy(precision_name(self.precision_plugin), self.compression),
             offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
             reshard_after_forward=self.reshard_after_forward,
             always_shard=True,

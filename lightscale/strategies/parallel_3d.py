@@ -27,7 +27,6 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -57,7 +56,13 @@ from lightscale.parallel.pipeline import (
     validate_schedule,
 )
 from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
-from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import (
+    MixedTensorGradScaler,
+    fsdp2_precision_plugin,
+    mp_policy,
+    precision_name,
+)
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
@@ -80,12 +85,15 @@ class Parallel3DStrategy(LightscaleStrategy):
         loss_parallel: cross-entropy on vocabulary-sharded logits (no all-gather of the logits).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``, per sharding unit (after TP).
         compile: ``torch.compile`` each sharding unit (after TP and checkpointing, before FSDP).
+        compression: ``"bf16"``/``"fp16"`` reduce data-parallel gradients in that dtype instead of fp32, the same
+            option as ``bucketed_ddp``'s (docs/plugins/precision.md); with dp = ep = 1 there is nothing to reduce.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
         >>> Trainer(strategy=Parallel3DStrategy(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4), devices=8)
     """
 
+    precision_family = "parallel_3d"
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
         "tp2": ("tensor parallel over 2 ranks (sequence + loss parallel), the rest FSDP2", {"tp": 2}),
@@ -112,10 +120,13 @@ class Parallel3DStrategy(LightscaleStrategy):
         loss_parallel: bool = True,
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
+        compression: Compression = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
+        check_compression(compression)
+        self.compression = compression
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
@@ -202,7 +213,10 @@ class Parallel3DStrategy(LightscaleStrategy):
         if self.dims.tp_enabled:
             plan = tp_plan_of(module, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
         network = root if self.dims.pp_enabled else network_of(module)
-        policy = mp_policy(precision_name(self.precision_plugin)) if self.shards_data_parallel else None
+        policy = None  # no FSDP (dp = ep = 1 without a pipeline): autocast computes, nothing is reduced
+        if self.shards_data_parallel or self.dims.pp_enabled:  # under a pipeline autocast computes, FSDP only reduces
+            name = precision_name(self.precision_plugin)
+            policy = mp_policy(name, self.compression, cast_params=not self.dims.pp_enabled)
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
@@ -350,11 +364,14 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         name = precision_name(self.precision_plugin)
+        enforce_contract("parallel_3d", name, device_type=self.root_device.type, compression=self.compression)
+        if self.compression != "none" and self.dims.data_shards == 1:
+            rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = 1, no gradient is reduced.")
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
             device = self.root_device.type
-            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
+            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=MixedTensorGradScaler(device=device))
         super().setup(trainer)
         # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
