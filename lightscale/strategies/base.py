@@ -46,6 +46,7 @@ from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,24 @@ class LightscaleStrategy(ParallelStrategy):
         # fastest: the (dp, ep) index has stride tp.
         dims = self.dims
         return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        trainer = self.lightning_module.trainer
+        return exactly_once_loader(
+            dataloader,
+            **self.distributed_sampler_kwargs,
+            training=trainer.training,
+            drop_remainder=trainer.training and not self.trains_short_batches,
+            position=position_in_epoch(trainer),
+        )
+
+    @property
+    def trains_short_batches(self) -> bool:
+        """Whether a training batch may be smaller than the others (an epoch's last); a pipeline runs one shape."""
+        return True
 
     @override
     def _configure_launcher(self) -> None:
