@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, quiet_trainer
+from helpers import TINY, StopAfter, quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightscale.errors import ConfigurationError
@@ -58,16 +59,31 @@ class RecordIds(pl.Callback):
         self.ids.setdefault(trainer.current_epoch, []).extend(batch[0][:, 0].tolist())
 
 
-def _fit(strategy: Any, config: Any, *, epochs: int = 1, shuffle: bool = True, **kwargs: Any) -> dict[str, Any]:
+def _fit(
+    strategy: Any,
+    config: Any,
+    *,
+    epochs: int = 1,
+    callbacks: list[pl.Callback] | tuple = (),
+    ckpt_path: str | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     pl.seed_everything(7, verbose=False)
     recorder = RecordIds()
-    loader = DataLoader(NumberedWindows(SAMPLES, config.block_size), batch_size=BATCH, shuffle=shuffle)
+    loader = DataLoader(NumberedWindows(SAMPLES, config.block_size), batch_size=BATCH, shuffle=True)
     trainer = quiet_trainer(
-        strategy, devices=dist.get_world_size(), max_steps=-1, max_epochs=epochs, callbacks=[recorder], **kwargs
+        strategy,
+        devices=dist.get_world_size(),
+        max_steps=-1,
+        max_epochs=epochs,
+        callbacks=[recorder, *callbacks],
+        **kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(GPTModule(config, learning_rate=1e-3, warmup_steps=1), train_dataloaders=loader)
+        trainer.fit(
+            GPTModule(config, learning_rate=1e-3, warmup_steps=1), train_dataloaders=loader, ckpt_path=ckpt_path
+        )
     dropped = [str(w.message) for w in caught if "dropped every epoch" in str(w.message)]
     return {"ids": recorder.ids, "dp": trainer.strategy.distributed_sampler_kwargs, "dropped": dropped}
 
@@ -118,3 +134,26 @@ def test_sampler_splits_the_remainder_and_refuses_empty_batches() -> None:
         ExactlyOnceSampler(range(9), batch_size=2, num_replicas=2, rank=0)
     dropping = ExactlyOnceSampler(range(9), batch_size=2, num_replicas=2, rank=1, drop_remainder=True)
     assert (list(dropping), dropping.dropped) == ([2, 3, 6, 7], 1)
+
+
+def _stopped_and_resumed(strategy: str, checkpoint_dir: str) -> dict[int, list[int]]:
+    """Stop after 3 of an epoch's 6 steps (ModelCheckpoint wrote the checkpoint, as before a kill), resume, finish
+    2 epochs; return the ids trained on per epoch over both runs."""
+    saver = ModelCheckpoint(dirpath=checkpoint_dir, filename=strategy, every_n_train_steps=3, save_top_k=-1)
+    first = _fit(strategy, TINY, epochs=2, callbacks=[saver, StopAfter(3)], enable_checkpointing=True)
+    second = _fit(strategy, TINY, epochs=2, ckpt_path=f"{checkpoint_dir}/{strategy}.ckpt")
+    return {epoch: first["ids"].get(epoch, []) + second["ids"].get(epoch, []) for epoch in (0, 1)}
+
+
+def _resume_each(checkpoint_dir: str) -> dict[str, dict[int, list[int]]]:
+    return {name: _stopped_and_resumed(name, checkpoint_dir) for name in ("bucketed_ddp", "zero2", "fsdp2")}
+
+
+def test_mid_epoch_resume_keeps_the_data_position(tmp_path) -> None:
+    results = run_distributed(_resume_each, str(tmp_path), world_size=2, timeout_s=600)
+    for name in ("bucketed_ddp", "zero2", "fsdp2"):
+        for epoch in (0, 1):
+            per_rank = [rank[name][epoch] for rank in results]
+            seen = Counter(i for ids in per_rank for i in ids)
+            assert sorted(seen) == list(range(SAMPLES)) and max(seen.values()) == 1, (name, epoch, per_rank)
+        assert len(results[0][name][0]) == len(results[0][name][1])  # the resumed epoch is no shorter
