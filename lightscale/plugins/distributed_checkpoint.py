@@ -33,6 +33,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.plugins.shape_check import check_shapes
 
 TRAINER_STATE = "trainer_state.pt"
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
@@ -80,6 +81,7 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     path = complete_checkpoint(path)
     check_checkpoint_dir(path)
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
+    check_shapes(saved_model_shapes(path), model_state, str(path))
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optimizer"] = optim_state
@@ -88,6 +90,16 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
         model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}), options=_FLAT
     )
     return path
+
+
+def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in the DCP checkpoint ``path``, from its (safely read) metadata."""
+    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key[len(_MODEL) :]: tuple(meta.size)
+        for key, meta in entries.items()
+        if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def check_checkpoint_dir(path: Path) -> None:

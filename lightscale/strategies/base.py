@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
@@ -168,6 +169,9 @@ class LightscaleStrategy(ParallelStrategy):
         """Whether a training batch may be smaller than the others (an epoch's last); a pipeline runs one shape."""
         return True
 
+    def check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -239,6 +243,14 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A single-file checkpoint of a differently shaped model is refused naming the keys and shapes."""
+        assert self.lightning_module is not None
+        model = self.lightning_module.state_dict()
+        check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
+        super().load_model_state_dict(checkpoint, strict=strict)
+
     # ---- collectives ---------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -264,7 +276,8 @@ class LightscaleStrategy(ParallelStrategy):
         announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
 
     def _failure_context(self, exception: BaseException) -> str:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
+        trainer = getattr(self.lightning_module, "_trainer", None)
         stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
         where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):

@@ -80,6 +80,8 @@ class ZeroStrategy(LightscaleStrategy):
         super().__init__(**kwargs)
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
+        if nvme_path is not None and not self._nvme_auto:
+            _writable_dir(Path(nvme_path))  # at construction, before any process starts
         self.user_config = _read_config(config)
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
@@ -116,7 +118,7 @@ class ZeroStrategy(LightscaleStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
-        self._check_trainer(trainer)
+        self._check_trainer(trainer, self.precision_plugin.precision)
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
         refuse_moe(self.lightning_module)
@@ -147,12 +149,19 @@ class ZeroStrategy(LightscaleStrategy):
         root = getattr(self._engine, "module", None)
         return isinstance(root, EngineRoot) and root._lightning_module[0] is module
 
-    def _check_trainer(self, trainer: Trainer) -> None:
+    @override
+    def check_before_launch(self, trainer: Trainer) -> None:
+        self._check_trainer(trainer, _precision_name(self.precision_plugin))
+        if self._nvme_auto:
+            _writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
+
+    def _check_trainer(self, trainer: Trainer, precision: str) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
             raise ConfigurationError(
-                "DeepSpeed clips gradients by norm only; use gradient_clip_algorithm='norm' with the ZeRO strategies."
+                "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
+                "by norm only; use gradient_clip_algorithm='norm'."
             )
-        if self.precision_plugin.precision == "16-mixed" and self.root_device.type == "cpu":
+        if precision == "16-mixed" and self.root_device.type == "cpu":
             raise ConfigurationError(
                 "precision='16-mixed' under DeepSpeed needs CUDA: DeepSpeed's CPU accelerator has no fp16 support. "
                 "Use 'bf16-mixed' or '32-true' on CPU."
@@ -329,7 +338,16 @@ def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
         return config
     import json
 
-    return json.loads(Path(config).read_text())
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"ZeroStrategy(config={config!r}): no such file. Valid: a dict of DeepSpeed options or the path of an "
+            "existing JSON file."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigurationError(f"ZeroStrategy(config={config!r}) is not valid JSON: {error}.") from error
 
 
 def _writable_dir(path: Path) -> Path:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
+from lightscale.errors import ConfigurationError
 from lightscale.strategies.sampler import position_in_epoch
 
 TOKEN_DTYPE = np.uint16  # half the disk of int32; fits any vocabulary up to 65,536
@@ -237,6 +238,12 @@ class GPTDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if isinstance(text_files, str):  # a lone path would otherwise be read character by character
             raise TypeError(f"text_files must be a list of paths, got the string {text_files!r}; wrap it in [...]")
+        missing = [str(path) for path in text_files or [] if not Path(path).is_file()]
+        if missing:  # at construction: a typo fails before any process starts, not in prepare_data
+            raise ConfigurationError(
+                f"GPTDataModule(text_files=...): no such file {missing}. Valid: existing text files, or "
+                "text_files=None for the default corpus."
+            )
         self.save_hyperparameters()
         self.text_files = text_files
         self.block_size = block_size
