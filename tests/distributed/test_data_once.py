@@ -26,7 +26,7 @@ from lightscale.parallel.moe import MoEConfig
 from lightscale.recipes.gpt import GPTModule
 from lightscale.strategies import Parallel3DStrategy
 from lightscale.strategies.sampler import ExactlyOnceSampler
-from lightscale.testing import run_distributed
+from lightscale.testing import RankFailed, run_distributed
 
 SAMPLES = 22  # 4 data-parallel ranks x batch 2: 2 full steps + 6 left (one short step); 2 ranks: 5 + 2 left
 BATCH = 2
@@ -157,3 +157,11 @@ def test_mid_epoch_resume_keeps_the_data_position(tmp_path) -> None:
             seen = Counter(i for ids in per_rank for i in ids)
             assert sorted(seen) == list(range(SAMPLES)) and max(seen.values()) == 1, (name, epoch, per_rank)
         assert len(results[0][name][0]) == len(results[0][name][1])  # the resumed epoch is no shorter
+    # The same checkpoints resumed by a wider model (on one rank: DCP reshards): refused naming the key and both
+    # shapes, before any step.
+    wider = dataclasses.replace(TINY, n_embd=64)
+    for name, where in (("fsdp2", "fsdp2.ckpt"), ("bucketed_ddp", "the checkpoint")):
+        with pytest.raises(
+            RankFailed, match=rf"{where}.* differently shaped model: .*checkpoint \(256, 32\), model \(256, 64\)"
+        ):
+            run_distributed(_fit, name, wider, ckpt_path=str(tmp_path / f"{name}.ckpt"), world_size=1, timeout_s=300)

@@ -46,6 +46,12 @@ PRIVATE_APIS = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
     ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
     ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader", "ExactlyOnceSampler replaces the padding sampler"),
+    (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector._check_config_and_set_final_flags",
+        "unknown names in plain lightning.Trainer",
+    ),
 ]
 
 
