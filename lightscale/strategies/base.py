@@ -20,6 +20,7 @@ import atexit
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +45,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
@@ -95,6 +97,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._shared_dirs: set[str] = set()
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -203,6 +206,9 @@ class LightscaleStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        for callback in trainer.checkpoint_callbacks:  # dirpath is resolved by now (the callbacks' setup)
+            if getattr(callback, "dirpath", None):
+                self.check_checkpoint_dir(callback.dirpath)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -250,6 +256,22 @@ class LightscaleStrategy(ParallelStrategy):
         model = self.lightning_module.state_dict()
         check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
         super().load_model_state_dict(checkpoint, strict=strict)
+
+    def check_checkpoint_dir(self, directory: str | Path) -> Path:
+        """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
+        runs only; see lightscale/plugins/shared_dir.py). Returns rank 0's path, which every rank then writes to."""
+        if self.num_nodes <= 1 or "://" in str(directory):
+            return Path(directory)
+        path = Path(self.broadcast(str(directory)))
+        if str(path) not in self._shared_dirs:
+            check_shared_dir(path, node_rank=self.node_rank, local_rank=self.local_rank, num_nodes=self.num_nodes)
+            self._shared_dirs.add(str(path))
+        return path
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.check_checkpoint_dir(Path(filepath).parent)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # ---- collectives ---------------------------------------------------------------------------------------
     @override

@@ -223,6 +223,7 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save_sharded(path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
 

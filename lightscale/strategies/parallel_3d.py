@@ -383,6 +383,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
         Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``trainer_state.pt``; atomically."""
         path = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with self._stages_in_place():
             save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)

@@ -248,6 +248,7 @@ class ZeroStrategy(LightscaleStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save through the engine's sharded format: a directory with one shard file per rank."""
         target = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
         if self.is_global_zero:
