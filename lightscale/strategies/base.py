@@ -195,6 +195,10 @@ class LightscaleStrategy(ParallelStrategy):
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for callback in trainer.checkpoint_callbacks if trainer is not None else []:
+            if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
+                self.check_checkpoint_dir(callback.dirpath)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -206,9 +210,6 @@ class LightscaleStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        for callback in trainer.checkpoint_callbacks:  # dirpath is resolved by now (the callbacks' setup)
-            if getattr(callback, "dirpath", None):
-                self.check_checkpoint_dir(callback.dirpath)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -257,16 +258,15 @@ class LightscaleStrategy(ParallelStrategy):
         check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
         super().load_model_state_dict(checkpoint, strict=strict)
 
-    def check_checkpoint_dir(self, directory: str | Path) -> Path:
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
-        runs only; see lightscale/plugins/shared_dir.py). Returns rank 0's path, which every rank then writes to."""
-        if self.num_nodes <= 1 or "://" in str(directory):
-            return Path(directory)
-        path = Path(self.broadcast(str(directory)))
-        if str(path) not in self._shared_dirs:
-            check_shared_dir(path, node_rank=self.node_rank, local_rank=self.local_rank, num_nodes=self.num_nodes)
-            self._shared_dirs.add(str(path))
-        return path
+        runs only; see lightscale/plugins/shared_dir.py). Each rank probes the path it resolved itself: the same
+        string naming different directories on different nodes is exactly the case to catch."""
+        if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
+            return
+        ranks = {"node_rank": self.node_rank, "local_rank": self.local_rank, "num_nodes": self.num_nodes}
+        check_shared_dir(Path(directory), **ranks)
+        self._shared_dirs.add(str(directory))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

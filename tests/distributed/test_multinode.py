@@ -71,32 +71,3 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path: Path, corpus_ca
     assert two_nodes.keys() == four_ranks.keys()
     for name, tensor in two_nodes.items():
         assert torch.equal(tensor, four_ranks[name]), name
-
-
-def test_node_local_checkpoint_dir_is_refused_at_setup(tmp_path: Path, corpus_cache: str) -> None:
-    # Each "node" runs in its own working directory: ModelCheckpoint(dirpath="ckpts") is node-local.
-    rendezvous = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    rendezvous += ["--master-port", str(free_port())]
-    agents = []
-    for node in (0, 1):
-        workdir = tmp_path / f"node{node}"
-        workdir.mkdir()
-        (workdir / "save_last.yaml").write_text(SAVE_LAST)
-        command = [*TORCHRUN, *rendezvous, "--node-rank", str(node), *FIT, "--trainer.num_nodes", "2"]
-        agents.append(
-            subprocess.Popen(
-                command,
-                cwd=workdir,
-                env=_env(corpus_cache),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for agent in agents:
-        output, _ = agent.communicate(timeout=300)
-        assert agent.returncode != 0
-        assert "is not shared by all 2 nodes (node 0 sees the markers of nodes [0]; node 1 sees" in output, output[
-            -3000:
-        ]
-    assert not (tmp_path / "node0" / "ckpts" / "last.ckpt").exists()  # refused before the first step
