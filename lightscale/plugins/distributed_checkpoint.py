@@ -33,7 +33,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
-from lightscale.plugins.shape_check import check_shapes
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 
 TRAINER_STATE = "trainer_state.pt"
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
@@ -81,7 +81,7 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     path = complete_checkpoint(path)
     check_checkpoint_dir(path)
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
-    check_shapes(saved_model_shapes(path), model_state, str(path))
+    check_shapes(saved_model_shapes(path), tensor_shapes(model_state), str(path))
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optimizer"] = optim_state

@@ -5,7 +5,7 @@ planner error from inside a collective (sharded directories). Comparing the save
 gives one message in both cases, before any tensor is copied and before the first training step.
 
 Example:
-    >>> check_shapes({"model.wte.weight": (256, 32)}, {"model.wte.weight": torch.zeros(256, 64)}, "last.ckpt")
+    >>> check_shapes({"model.wte.weight": (256, 32)}, {"model.wte.weight": (256, 64)}, "last.ckpt")
     ConfigurationError: last.ckpt was saved from a differently shaped model: model.wte.weight: checkpoint
     (256, 32), model (256, 64). ...
 """
@@ -22,15 +22,15 @@ from lightscale.errors import ConfigurationError
 _SHOWN = 5
 
 
-def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Any], source: str) -> None:
+def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int]], source: str) -> None:
     """Raise a ConfigurationError naming the first keys whose saved shape differs from the model's (global) shape.
 
     Keys present on one side only are left to the loader's own strict/non-strict handling.
     """
     mismatched = [
-        f"{key}: checkpoint {tuple(shape)}, model {tuple(model[key].shape)}"
+        f"{key}: checkpoint {tuple(shape)}, model {tuple(model[key])}"
         for key, shape in saved.items()
-        if isinstance(model.get(key), Tensor) and tuple(shape) != tuple(model[key].shape)
+        if key in model and tuple(shape) != tuple(model[key])
     ]
     if mismatched:
         more = f" (and {len(mismatched) - _SHOWN} more)" if len(mismatched) > _SHOWN else ""
@@ -41,5 +41,7 @@ def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Any], s
 
 
 def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor entry of a state dict."""
-    return {key: tuple(value.shape) for key, value in state.items() if isinstance(value, Tensor)}
+    """The (global) shape of every tensor entry of a state dict; a ZeRO-3 partition reports its full ``ds_shape``."""
+    return {
+        key: tuple(getattr(value, "ds_shape", value.shape)) for key, value in state.items() if isinstance(value, Tensor)
+    }

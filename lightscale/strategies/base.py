@@ -254,7 +254,7 @@ class LightscaleStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """A single-file checkpoint of a differently shaped model is refused naming the keys and shapes."""
         assert self.lightning_module is not None
-        model = self.lightning_module.state_dict()
+        model = tensor_shapes(self.lightning_module.state_dict())
         check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
         super().load_model_state_dict(checkpoint, strict=strict)
 

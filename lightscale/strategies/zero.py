@@ -27,7 +27,8 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
+from lightscale.plugins.shape_check import check_shapes
+from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
@@ -269,6 +270,8 @@ class ZeroStrategy(LightscaleStrategy):
             # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
             # from the loaded weights, but DeepSpeed calls the refresh anyway.
             optimizer._restore_from_bit16_weights = lambda: None
+        model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()}
+        check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
         _, client_state = self.engine.load_checkpoint(
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
