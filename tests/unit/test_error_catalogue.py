@@ -234,7 +234,7 @@ def _other_shape_checkpoint():
 
     saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
     model = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=32)).state_dict()
-    check_shapes(tensor_shapes(saved), model, "last.ckpt")
+    check_shapes(tensor_shapes(saved), tensor_shapes(model), "last.ckpt")
 
 
 def _error(name: str) -> type[BaseException]:
