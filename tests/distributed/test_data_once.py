@@ -54,9 +54,13 @@ class RecordIds(pl.Callback):
 
     def __init__(self) -> None:
         self.ids: dict[int, list[int]] = {}
+        self.val_ids: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.ids.setdefault(trainer.current_epoch, []).extend(batch[0][:, 0].tolist())
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, *_: Any) -> None:
+        self.val_ids.extend(batch[0][:, 0].tolist())
 
 
 def _fit(
@@ -66,11 +70,15 @@ def _fit(
     epochs: int = 1,
     callbacks: list[pl.Callback] | tuple = (),
     ckpt_path: str | None = None,
+    validate: bool = False,
     **kwargs: Any,
 ) -> dict[str, Any]:
     pl.seed_everything(7, verbose=False)
     recorder = RecordIds()
     loader = DataLoader(NumberedWindows(SAMPLES, config.block_size), batch_size=BATCH, shuffle=True)
+    val = DataLoader(NumberedWindows(SAMPLES, config.block_size), batch_size=BATCH) if validate else None
+    if validate:
+        kwargs["limit_val_batches"] = 1.0
     trainer = quiet_trainer(
         strategy,
         devices=dist.get_world_size(),
@@ -82,17 +90,18 @@ def _fit(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(
-            GPTModule(config, learning_rate=1e-3, warmup_steps=1), train_dataloaders=loader, ckpt_path=ckpt_path
+            GPTModule(config, learning_rate=1e-3, warmup_steps=1), loader, val_dataloaders=val, ckpt_path=ckpt_path
         )
     dropped = [str(w.message) for w in caught if "dropped every epoch" in str(w.message)]
-    return {"ids": recorder.ids, "dp": trainer.strategy.distributed_sampler_kwargs, "dropped": dropped}
+    dp = trainer.strategy.distributed_sampler_kwargs
+    return {"ids": recorder.ids, "val_ids": recorder.val_ids, "dp": dp, "dropped": dropped}
 
 
 def _every_family() -> dict[str, dict[str, Any]]:
     return {
         "bucketed_ddp": _fit("bucketed_ddp", TINY),
         "zero2": _fit("zero2", TINY),
-        "fsdp2": _fit("fsdp2", TINY),
+        "fsdp2": _fit("fsdp2", TINY, validate=True),
         "tp2": _fit(Parallel3DStrategy(tp=2), TINY),
         "pp2": _fit(Parallel3DStrategy(pp=2), PIPELINED),
         "ep2": _fit(Parallel3DStrategy(dp=2, ep=2), MOE),
@@ -119,6 +128,8 @@ def test_every_sample_once_under_every_family() -> None:
     # A pipeline runs one batch shape: 22 = 5 global batches of 2 x 2 dp groups + 2, dropped with a warning.
     _check_exactly_once([rank["pp2"] for rank in results], dropped=2)
     assert "2 of 22 samples are dropped every epoch" in results[0]["pp2"]["dropped"][0]
+    # Validation too (no shuffle, no resume skip): every sample once over the 4 data-parallel ranks.
+    assert sorted(i for rank in results for i in rank["fsdp2"]["val_ids"]) == list(range(SAMPLES))
 
 
 def test_sampler_splits_the_remainder_and_refuses_empty_batches() -> None:
