@@ -33,6 +33,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
@@ -111,8 +112,19 @@ def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     the files. Returns the directory read (``path``, or its previous copy after a crash mid-publish)."""
     path = complete_checkpoint(path)
     check_checkpoint_dir(path)
+    check_shapes(saved_model_shapes(path), tensor_shapes(state.get("model", {})), str(path))
     load_safely(state, path)
     return path
+
+
+def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in the DCP checkpoint ``path``, from its (safely read) metadata."""
+    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key[len(_MODEL) :]: tuple(meta.size)
+        for key, meta in entries.items()
+        if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def check_checkpoint_dir(path: Path) -> None:

@@ -48,9 +48,12 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
+        self._shared_dirs: set[str] = set()
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -160,6 +164,27 @@ class LightscaleStrategy(ParallelStrategy):
         return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        trainer = self.lightning_module.trainer
+        return exactly_once_loader(
+            dataloader,
+            **self.distributed_sampler_kwargs,
+            training=trainer.training,
+            drop_remainder=trainer.training and not self.trains_short_batches,
+            position=position_in_epoch(trainer),
+        )
+
+    @property
+    def trains_short_batches(self) -> bool:
+        """Whether a training batch may be smaller than the others (an epoch's last); a pipeline runs one shape."""
+        return True
+
+    def check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
+
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -179,6 +204,10 @@ class LightscaleStrategy(ParallelStrategy):
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for callback in trainer.checkpoint_callbacks if trainer is not None else []:
+            if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
+                self.check_checkpoint_dir(callback.dirpath)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -230,6 +259,16 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
+        """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
+        runs only; see lightscale/plugins/shared_dir.py). Each rank probes the path it resolved itself: the same
+        string naming different directories on different nodes is exactly the case to catch."""
+        if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
+            return
+        ranks = {"node_rank": self.node_rank, "local_rank": self.local_rank, "num_nodes": self.num_nodes}
+        check_shared_dir(Path(directory), **ranks)
+        self._shared_dirs.add(str(directory))
+
     # ---- collectives ---------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -255,7 +294,8 @@ class LightscaleStrategy(ParallelStrategy):
         announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
 
     def _failure_context(self, exception: BaseException) -> str:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
+        trainer = getattr(self.lightning_module, "_trainer", None)
         stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
         where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
@@ -279,6 +319,7 @@ class LightscaleStrategy(ParallelStrategy):
         """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
         and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
         path = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
         with self.checkpoint_module() as module:
             rest = self.trainer_state(checkpoint)
             save_sharded(path, module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
@@ -312,7 +353,11 @@ class LightscaleStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if "state_dict" in checkpoint:  # a single file; the layout was loaded in load_checkpoint
+        """A single file (the layout was loaded in load_checkpoint); a differently shaped model's is refused naming
+        the keys and shapes."""
+        if "state_dict" in checkpoint:
+            model = tensor_shapes(self.lightning_module.state_dict())
+            check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
             super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------

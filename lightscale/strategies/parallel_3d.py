@@ -299,11 +299,18 @@ class Parallel3DStrategy(LightscaleStrategy):
         with context:
             return self.call_step(self._root, name, *args, **kwargs)
 
+    @property
+    @override
+    def trains_short_batches(self) -> bool:
+        return not self.dims.pp_enabled
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Under a pipeline, training batches of another size than the first (an epoch's partial last batch) are
         dropped before they reach the step, with a warning: torch's stages run one shape. Evaluation and predict
-        take any batch (see lightscale/parallel/pipeline_runtime.py)."""
+        take any batch (see lightscale/parallel/pipeline_runtime.py). Lightning's sampler is replaced first (the
+        base strategy), which already drops an epoch's remainder under a pipeline, with a warning naming it."""
+        dataloader = super().process_dataloader(dataloader)
         if not self.dims.pp_enabled or not self.lightning_module.trainer.training:
             return dataloader
         return SplittableBatches(dataloader, self)

@@ -27,8 +27,9 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
+from lightscale.plugins.shape_check import check_shapes
+from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
@@ -87,6 +88,8 @@ class ZeroStrategy(LightscaleStrategy):
         self.compression = compression
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
+        if nvme_path is not None and not self._nvme_auto:
+            _writable_dir(Path(nvme_path))  # at construction, before any process starts
         self.user_config = _read_config(config)
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
@@ -123,7 +126,10 @@ class ZeroStrategy(LightscaleStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
-        self._check_trainer(trainer)
+        self._check_trainer(trainer, self.precision_plugin.precision)
+        enforce_contract(
+            "zero", self.precision_plugin.precision, device_type=self.root_device.type, compression=self.compression
+        )
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
         refuse_moe(self.lightning_module)
@@ -155,13 +161,19 @@ class ZeroStrategy(LightscaleStrategy):
         root = getattr(self._engine, "module", None)
         return isinstance(root, EngineRoot) and root._lightning_module[0] is module
 
-    def _check_trainer(self, trainer: Trainer) -> None:
+    @override
+    def check_before_launch(self, trainer: Trainer) -> None:
+        self._check_trainer(trainer, _precision_name(self.precision_plugin))
+        if self._nvme_auto:
+            _writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
+
+    def _check_trainer(self, trainer: Trainer, precision: str) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
             raise ConfigurationError(
-                "DeepSpeed clips gradients by norm only; use gradient_clip_algorithm='norm' with the ZeRO strategies."
+                "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
+                "by norm only; use gradient_clip_algorithm='norm'."
             )
-        name = self.precision_plugin.precision
-        enforce_contract("zero", name, device_type=self.root_device.type, compression=self.compression)
+        refuse_impossible("zero", precision, device_type=self.root_device.type, compression=self.compression)
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
         options = self._nvme_options(trainer) if self._nvme_auto else self.options
@@ -244,6 +256,7 @@ class ZeroStrategy(LightscaleStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save through the engine's sharded format: a directory with one shard file per rank."""
         target = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
         if self.is_global_zero:
@@ -264,6 +277,8 @@ class ZeroStrategy(LightscaleStrategy):
             # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
             # from the loaded weights, but DeepSpeed calls the refresh anyway.
             optimizer._restore_from_bit16_weights = lambda: None
+        model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()}
+        check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
         _, client_state = self.engine.load_checkpoint(
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
@@ -334,7 +349,16 @@ def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
         return config
     import json
 
-    return json.loads(Path(config).read_text())
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"ZeroStrategy(config={config!r}): no such file. Valid: a dict of DeepSpeed options or the path of an "
+            "existing JSON file."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigurationError(f"ZeroStrategy(config={config!r}) is not valid JSON: {error}.") from error
 
 
 def _writable_dir(path: Path) -> Path:

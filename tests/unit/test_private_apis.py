@@ -48,6 +48,12 @@ PRIVATE_APIS = [
     ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
     ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler._unscale_grads_", "MixedTensorGradScaler"),
     ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", "precision plugin dtype test"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader", "ExactlyOnceSampler replaces the padding sampler"),
+    (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector._check_config_and_set_final_flags",
+        "unknown names in plain lightning.Trainer",
+    ),
 ]
 
 
