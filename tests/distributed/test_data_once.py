@@ -171,7 +171,7 @@ def test_mid_epoch_resume_keeps_the_data_position(tmp_path) -> None:
     # The same checkpoints resumed by a wider model (on one rank: DCP reshards): refused naming the key and both
     # shapes, before any step.
     wider = dataclasses.replace(TINY, n_embd=64)
-    for name, where in (("fsdp2", "fsdp2.ckpt"), ("zero2", "zero2.ckpt"), ("bucketed_ddp", "the checkpoint")):
+    for name, where in (("fsdp2", "fsdp2.ckpt"), ("zero2", "zero2.ckpt"), ("bucketed_ddp", "bucketed_ddp.ckpt")):
         with pytest.raises(
             RankFailed, match=rf"{where}.* differently shaped model: .*checkpoint \(256, 32\), model \(256, 64\)"
         ):
