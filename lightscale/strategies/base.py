@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +46,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
 
@@ -93,6 +96,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -162,6 +166,7 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
         if not dist.is_initialized():
+            self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
             store = restart_safe_store(self._timeout)
             kwargs = {"store": store} if store is not None else {}
             _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
@@ -169,6 +174,10 @@ class LightscaleStrategy(ParallelStrategy):
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+
+    def _run_dir(self) -> Path:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -251,6 +260,8 @@ class LightscaleStrategy(ParallelStrategy):
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
+            if self._trace_prefix is not None:
+                where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
 
     # ---- registry and teardown -----------------------------------------------------------------------------
