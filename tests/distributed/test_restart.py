@@ -21,6 +21,7 @@ import torch
 from lightscale.cli import main as lightscale_main
 from lightscale.testing import torchrun_fork
 
+pytestmark = pytest.mark.slow  # real processes under torchrun's elastic agent
 STEPS, EVERY, KILLS, IN_SAVE = 12, 2, [3, 6, 9], 6
 CONFIG = """
 seed_everything: 1234
