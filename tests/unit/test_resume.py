@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightscale
 from lightscale.callbacks import PeriodicCheckpoint
-from lightscale.cli import resolve_resume_args
+from lightscale.cli import main, resolve_resume_args
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.plugins.resume import newest_checkpoint, resolve_resume
@@ -145,3 +145,8 @@ def test_resume_auto_continues_from_the_newest_and_keeps_k(tmp_path: Path, corpu
     assert sorted(path.name for path in (tmp_path / "ckpts").iterdir()) == ["step=4.ckpt", "step=6.ckpt"]
     assert _fit(tmp_path, corpus_cache, max_steps=8).first == 6  # the same command again: from step 6
     assert sorted(path.name for path in (tmp_path / "ckpts").iterdir()) == ["step=6.ckpt", "step=8.ckpt"]
+
+
+def test_cli_refuses_a_bad_resume_value_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match=r"error: resume='latest' is not valid; valid values are \['auto', 'never'\]"):
+        main(["fit", "--config", "gpt/tiny_ddp.yaml", "--resume", "latest", "--trainer.logger", "false"])
