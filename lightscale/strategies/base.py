@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -51,6 +52,7 @@ from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
 from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
@@ -107,6 +109,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._mesh: DeviceMesh | None = None
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
+        self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -197,6 +200,7 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
         if not dist.is_initialized():
+            self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
             store = restart_safe_store(self._timeout)
             kwargs = {"store": store} if store is not None else {}
             _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
@@ -208,6 +212,10 @@ class LightscaleStrategy(ParallelStrategy):
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
                 self.check_checkpoint_dir(callback.dirpath)
+
+    def _run_dir(self) -> Path:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -301,6 +309,8 @@ class LightscaleStrategy(ParallelStrategy):
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
+            if self._trace_prefix is not None:
+                where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
 
     # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
