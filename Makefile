@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench lint format clean
+.PHONY: venv demo test bench soak lint format clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+# Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
+soak: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -4,6 +4,8 @@ estimate, plan, doctor.
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
 
+``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.plugins.resume``).
+
 Example:
     $ lightscale fit --config gpt/tiny_ddp.yaml --trainer.max_steps 20
 """
@@ -66,6 +68,19 @@ def resolve_config_args(argv: list[str]) -> list[str]:
             expect_config = True
         elif arg.startswith("--config="):
             resolved.append("--config=" + resolve_config(arg.split("=", 1)[1]))
+        else:
+            resolved.append(arg)
+    return resolved
+
+
+def resolve_resume_args(argv: list[str]) -> list[str]:
+    """``--resume auto`` (or ``--resume=auto``) is short for ``--trainer.resume auto``: see Trainer(resume=...)."""
+    resolved: list[str] = []
+    for arg in argv:
+        if arg == "--resume":
+            resolved.append("--trainer.resume")
+        elif arg.startswith("--resume="):
+            resolved.append("--trainer.resume=" + arg.split("=", 1)[1])
         else:
             resolved.append(arg)
     return resolved
@@ -184,10 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigurationError as error:
             raise SystemExit(f"error: {error}") from None
         return
+    resolved = resolve_resume_args(resolve_config_args(args))
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
-        sys.argv[1:] = resolve_config_args(args)
+        sys.argv[1:] = resolved
     try:
-        build_cli(None if argv is None else resolve_config_args(args))
+        build_cli(None if argv is None else resolved)
     except ConfigurationError as error:
         raise SystemExit(f"error: {error}") from None
 

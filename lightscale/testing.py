@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -20,8 +21,10 @@ import signal
 import socket
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -139,14 +142,72 @@ def _rank_main(
         os._exit(0)  # skip the parent's atexit handlers (pytest's among them)
 
 
-class KillOnce(pl.Callback):
-    """SIGKILL ``rank`` after optimizer step ``step`` of torchrun's first attempt only (a fault to restart from)."""
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def __init__(self, step: int, rank: int = 1) -> None:
-        self.step, self.rank = step, rank
+
+class KillAt(pl.Callback):
+    """One SIGKILL per torchrun attempt: in attempt ``i``, after optimizer step ``steps[i]`` on ``rank``.
+
+    A step also listed in ``in_save`` is killed *during* the checkpoint save at that step instead: an entry added
+    to the checkpoint kills whichever rank serializes it (rank 0 for single files and trainer state), when the
+    save has opened its files and sharded ones have written their shards. Before dying, that rank writes
+    ``report_dir/kill_<attempt>.json`` with the checkpoint directory's entries at that moment. Attempts past the
+    list run untouched, so ``steps=[3, 6, 9]`` under ``--max-restarts 3`` ends in a complete run.
+    """
+
+    def __init__(
+        self, steps: list[int], rank: int = 1, in_save: list[int] | None = None, report_dir: str = "."
+    ) -> None:
+        self.steps, self.rank, self.in_save, self.report_dir = list(steps), rank, list(in_save or []), report_dir
+
+    def _due(self, trainer: pl.Trainer) -> int | None:
+        attempt = _attempt()
+        due = attempt < len(self.steps) and trainer.global_step == self.steps[attempt]
+        return self.steps[attempt] if due else None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and trainer.global_step == self.step and trainer.global_rank == self.rank:
+        step = self._due(trainer)
+        if step is not None and step not in self.in_save and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        step = self._due(trainer)
+        if step is not None and step in self.in_save:
+            watched = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
+            report = Path(self.report_dir) / f"kill_{_attempt()}.json"
+            checkpoint["lightscale_kill_when_serialized"] = _KillWhenSerialized(str(watched), str(report))
+
+
+class _KillWhenSerialized:
+    """Pickling this object records what ``watched`` holds, then SIGKILLs the process doing the pickling."""
+
+    def __init__(self, watched: str, report: str) -> None:
+        self.watched, self.report = watched, report
+
+    def __reduce__(self) -> Any:
+        root = Path(self.watched)
+        entries = sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+        Path(self.report).write_text(json.dumps({"rank": int(os.environ.get("RANK", 0)), "entries": entries}))
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+def torchrun_fork(entrypoint: Callable[..., Any], *args: Any, nproc: int, max_restarts: int) -> dict[int, Any]:
+    """``torchrun --standalone --nproc-per-node N --max-restarts R`` with a Python function as the entrypoint.
+
+    The same argument parsing, elastic agent, rendezvous and restart logic as the command line; only the workers
+    are forked from this process (``--start-method fork``) instead of started as new interpreters, so a restart
+    costs milliseconds instead of seconds of imports. Returns each rank's return value of the last attempt.
+    """
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    flags = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--start-method", "fork"]
+    parsed = parse_args([*flags, "--monitor-interval", "0.1", "unused-script"])
+    # What torchrun's --standalone sets: a c10d rendezvous on a free local port.
+    parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(parsed)
+    return elastic_launch(config, entrypoint)(*args)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
+from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.precision import check_precision, maybe_cpu_fp16_plugin
+from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
+from lightscale.plugins.resume import check_resume, checkpoint_dir, resolve_resume
 from lightscale.strategies.registry import check_strategy, register_strategies
 
 
@@ -20,20 +24,47 @@ class Trainer(LightningTrainer):
     Before any work starts it rejects unknown strategy names (naming the closest match), more devices than the
     machine has, and precision names without one meaning under every strategy.
 
+    ``resume="auto"`` makes every ``fit`` continue from the newest complete checkpoint in the ModelCheckpoint's
+    ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins. See
+    :mod:`lightscale.plugins.resume`.
+
     Example:
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
+        check_resume(resume)
         register_strategies()
         check_strategy(kwargs.get("strategy", "auto"))
         check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
         check_precision(kwargs.get("precision"))
+        accelerator = kwargs.get("accelerator", "auto")
+        check_strategy_precision(kwargs.get("strategy", "auto"), kwargs.get("precision"), accelerator)
         fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
         if fp16_on_cpu is not None:
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
         super().__init__(*args, **kwargs)
+        self.resume = resume
+        self._resume_dir: Path | None = None
+        if resume == "auto":  # a run that could never find its checkpoints fails here, before any work
+            has_logger = bool(self.loggers)
+            self._resume_dir = checkpoint_dir(
+                self.checkpoint_callbacks, has_logger=has_logger, default_root_dir=self.default_root_dir
+            )
+
+    @override
+    def fit(
+        self,
+        model: LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        ckpt_path: Any = None,
+        weights_only: bool | None = None,
+    ) -> None:
+        ckpt_path = resolve_resume(self.resume, ckpt_path, self._resume_dir)
+        super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
 
 
 def check_devices(accelerator: Any, devices: Any) -> None:

@@ -1,8 +1,10 @@
-"""Callbacks that do one thing each: run summary, memory by category, throughput and MFU, communication."""
+"""Callbacks that do one thing each: run summary, memory by category, throughput and MFU, communication,
+periodic checkpoints."""
 
 from lightscale.callbacks.comm import CommMonitor
 from lightscale.callbacks.memory import MemoryProfiler
+from lightscale.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightscale.callbacks.summary import RunSummary
 from lightscale.callbacks.throughput import Throughput
 
-__all__ = ["CommMonitor", "MemoryProfiler", "RunSummary", "Throughput"]
+__all__ = ["CommMonitor", "MemoryProfiler", "PeriodicCheckpoint", "RunSummary", "Throughput"]

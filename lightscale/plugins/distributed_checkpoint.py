@@ -33,8 +33,11 @@ from lightscale.errors import ConfigurationError
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 
 TRAINER_STATE = "trainer_state.pt"
+# trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
+LAYOUT_FORMAT = 1
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -109,16 +112,26 @@ def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     the files. Returns the directory read (``path``, or its previous copy after a crash mid-publish)."""
     path = complete_checkpoint(path)
     check_checkpoint_dir(path)
+    check_shapes(saved_model_shapes(path), tensor_shapes(state.get("model", {})), str(path))
     load_safely(state, path)
     return path
+
+
+def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in the DCP checkpoint ``path``, from its (safely read) metadata."""
+    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key[len(_MODEL) :]: tuple(meta.size)
+        for key, meta in entries.items()
+        if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def check_checkpoint_dir(path: Path) -> None:
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
-            f"{path} is not a sharded checkpoint directory saved by an FSDP2 strategy or parallel_3d (it "
-            f"needs .metadata and {TRAINER_STATE}). Single-file checkpoints of other strategies cannot be "
-            "resumed here."
+            f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "
+            f"and {TRAINER_STATE}). A single-file Lightning checkpoint loads under bucketed_ddp only."
         )
 
 

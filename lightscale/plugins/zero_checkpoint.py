@@ -53,6 +53,16 @@ def safe_checkpoint_engine(engine_config: Any) -> Any:
     return SafeTorchCheckpointEngine(engine_config)
 
 
+def saved_parameter_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """Full shape of every trained parameter of a lightscale ZeRO checkpoint directory, from the ``param_shapes``
+    DeepSpeed records beside the model states (empty when it recorded none: saved without an optimizer)."""
+    files = sorted((checkpoint / CHECKPOINT_TAG).glob("*model_states.pt"))
+    if not files:
+        return {}
+    groups = safe_load(files[0], map_location="cpu", mmap=True).get("param_shapes") or []
+    return {name: tuple(shape) for group in groups for name, shape in group.items()}
+
+
 class _WeightsOnlyTorch:
     """Stands in for ``torch`` inside DeepSpeed's zero_to_fp32, so every load there is weights-only."""
 

@@ -2,7 +2,8 @@
 
 What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
 parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
-plugins, applying parallelism to the model from outside it, and teardown.
+plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
+(lightscale/plugins/distributed_checkpoint.py: any strategy's, at any world size), and teardown.
 
 What a subclass supplies:
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -18,8 +19,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-from contextlib import AbstractContextManager, nullcontext
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -43,9 +47,15 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
+from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
+from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +75,10 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
+    # unsharded model; sharded strategies read the layout alone.
+    reads_single_files: ClassVar[bool] = True
+    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
 
     def __init__(
         self,
@@ -93,6 +107,9 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
+        self._shared_dirs: set[str] = set()
+        self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -150,6 +167,27 @@ class LightscaleStrategy(ParallelStrategy):
         return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        trainer = self.lightning_module.trainer
+        return exactly_once_loader(
+            dataloader,
+            **self.distributed_sampler_kwargs,
+            training=trainer.training,
+            drop_remainder=trainer.training and not self.trains_short_batches,
+            position=position_in_epoch(trainer),
+        )
+
+    @property
+    def trains_short_batches(self) -> bool:
+        """Whether a training batch may be smaller than the others (an epoch's last); a pipeline runs one shape."""
+        return True
+
+    def check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
+
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -162,6 +200,7 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
         if not dist.is_initialized():
+            self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
             store = restart_safe_store(self._timeout)
             kwargs = {"store": store} if store is not None else {}
             _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
@@ -169,6 +208,14 @@ class LightscaleStrategy(ParallelStrategy):
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for callback in trainer.checkpoint_callbacks if trainer is not None else []:
+            if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
+                self.check_checkpoint_dir(callback.dirpath)
+
+    def _run_dir(self) -> Path:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -220,6 +267,16 @@ class LightscaleStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
+        """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
+        runs only; see lightscale/plugins/shared_dir.py). Each rank probes the path it resolved itself: the same
+        string naming different directories on different nodes is exactly the case to catch."""
+        if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
+            return
+        ranks = {"node_rank": self.node_rank, "local_rank": self.local_rank, "num_nodes": self.num_nodes}
+        check_shared_dir(Path(directory), **ranks)
+        self._shared_dirs.add(str(directory))
+
     # ---- collectives ---------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -245,13 +302,73 @@ class LightscaleStrategy(ParallelStrategy):
         announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
 
     def _failure_context(self, exception: BaseException) -> str:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
+        trainer = getattr(self.lightning_module, "_trainer", None)
         stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
         where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
         if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
+            if self._trace_prefix is not None:
+                where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
+
+    # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the layout loads into the parallelized model and its optimizers, which setup creates
+
+    @contextmanager
+    def checkpoint_module(self) -> Iterator[nn.Module]:
+        """The module whose state a checkpoint holds, under the LightningModule's own parameter names."""
+        yield self.lightning_module
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
+        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
+        path = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
+        with self.checkpoint_module() as module:
+            rest = self.trainer_state(checkpoint)
+            save_sharded(path, module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
+        rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
+        return {**rest, "lightscale": {**writer, "rng": gather_rng_states()}}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
+        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file() and self.reads_single_files:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        with self.checkpoint_module() as module:
+            read = load_sharded(path, module, self.optimizers if fitting else [])
+        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        if fitting:  # set at the first batch: creating the data iterator after this load draws from torch's RNG
+            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        states, self._saved_rng_states = self._saved_rng_states, None
+        if states is not None:
+            restore_rng_states(states)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A single file (the layout was loaded in load_checkpoint); a differently shaped model's is refused naming
+        the keys and shapes."""
+        if "state_dict" in checkpoint:
+            model = tensor_shapes(self.lightning_module.state_dict())
+            check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod

@@ -5,7 +5,9 @@ peer; gloo does, but reports only "Connection closed by peer"). The failing rank
 process group's key-value store (Lightning calls ``Strategy.on_exception``); a daemon thread on every rank polls
 that key and, when another rank's error appears, prints it and ends this process. The failing rank waits (a few
 seconds at most) until every watcher has read the message, because the store may live in its own process: rank 0
-hosts it under Lightning's launcher, and a store that dies with rank 0 would take the message with it.
+hosts it under Lightning's launcher, and a store that dies with rank 0 would take the message with it. Under
+torchrun's agent store (which outlives every rank) it does not wait: a peer killed outright never reads, and the
+wait would only delay the restart.
 
 Example:
     >>> watch_for_failures(rank)          # once per process, after the process group exists
@@ -45,9 +47,12 @@ def announce_failure(rank: int, error: BaseException, *, where: str = "", grace_
 
     ``where`` (e.g. "fit, step 12") is appended to the message.
 
-    Returns once every rank's watcher has read it, or after ``grace_s`` (a rank that is already gone never reads).
+    Returns once every rank's watcher has read it, or after ``grace_s`` (a rank that is already gone never reads);
+    at once when torchrun's agent hosts the store.
     """
     _failed_here.set()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        grace_s = 0.0  # the agent's store outlives this rank: every watcher can still read the message
     store = _store()
     if store is None:
         return

@@ -20,9 +20,12 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -47,7 +50,18 @@ LAUNCHER_PID = "LIGHTSCALE_LAUNCHER_PID"  # set only in the environment of the r
 
 
 class Launcher(_SubprocessScriptLauncher):
-    """Lightning's launcher (rank 0 starts the other ranks), telling the ranks it starts who their launcher is."""
+    """Lightning's launcher (rank 0 starts the other ranks), telling the ranks it starts who their launcher is.
+
+    ``launch`` first runs the strategy's ``check_before_launch(trainer)``: the first point where the Trainer's
+    settings meet the strategy's, before any process starts (or, launched by torchrun, before any collective).
+    """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        check = getattr(getattr(trainer, "strategy", None), "check_before_launch", None)
+        if check is not None:
+            check(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _call_children_scripts(self) -> None:

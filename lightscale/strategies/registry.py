@@ -8,8 +8,11 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
+from typing import Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
@@ -51,3 +54,27 @@ def check_strategy(strategy: str | Strategy) -> None:
         f"Unknown strategy {strategy!r}.{hint} lightscale strategies: {', '.join(ours)}. "
         f"Lightning strategies: auto, {', '.join(theirs)}. Run `lightscale strategies` for descriptions."
     )
+
+
+def check_strategy_in_lightning() -> None:
+    """Make plain ``lightning.Trainer(strategy=...)`` raise :func:`check_strategy`'s error for an unknown name.
+
+    Lightning's own message lists only its names ("auto, ddp, ddp_spawn, deepspeed, ..."). Its accelerator
+    connector checks the name first thing in ``_check_config_and_set_final_flags``; lightscale runs its check just
+    before, so a known name takes Lightning's path unchanged. Idempotent (runs on ``import lightscale``).
+
+    Example:
+        >>> import lightscale, lightning
+        >>> lightning.Trainer(strategy="zero3_ofload")  # ConfigurationError: ... Did you mean 'zero3_offload'?
+    """
+    original = _AcceleratorConnector._check_config_and_set_final_flags
+    if getattr(original, "_lightscale_checked", False):
+        return
+
+    @functools.wraps(original)
+    def checked(self: _AcceleratorConnector, strategy: str | Strategy, *args: Any, **kwargs: Any) -> None:
+        check_strategy(strategy)
+        original(self, strategy, *args, **kwargs)
+
+    checked._lightscale_checked = True  # type: ignore[attr-defined]
+    _AcceleratorConnector._check_config_and_set_final_flags = checked  # type: ignore[method-assign]

@@ -28,7 +28,9 @@ from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, write_checkpoint
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
+from lightscale.plugins.shape_check import check_shapes
+from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
 from lightscale.plugins.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
@@ -47,6 +49,8 @@ class ZeroStrategy(LightscaleStrategy):
         offload_params: keep parameters in host memory between uses (stage 3).
         nvme_path: offload to files in this directory instead of host memory (ZeRO-Infinity); default under
             the run's log dir when ``zero_infinity`` is chosen by name.
+        compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype (DeepSpeed's ``communication_data_type``)
+            instead of fp32, the same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
@@ -59,6 +63,7 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
+    precision_family = "zero"
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
@@ -82,10 +87,13 @@ class ZeroStrategy(LightscaleStrategy):
         offload_params: bool = False,
         nvme_path: str | None = None,
         config: dict[str, Any] | str | None = None,
+        compression: Compression = "none",
         checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_compression(compression)
+        self.compression = compression
         if checkpoint_format not in get_args(CheckpointFormat):
             raise ConfigurationError(
                 f"checkpoint_format={checkpoint_format!r} is not one of {list(get_args(CheckpointFormat))}: 'dcp' is "
@@ -95,6 +103,8 @@ class ZeroStrategy(LightscaleStrategy):
         self._group_names: list[list[str]] = []
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
+        if nvme_path is not None and not self._nvme_auto:
+            _writable_dir(Path(nvme_path))  # at construction, before any process starts
         self.user_config = _read_config(config)
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
@@ -131,7 +141,10 @@ class ZeroStrategy(LightscaleStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
-        self._check_trainer(trainer)
+        self._check_trainer(trainer, self.precision_plugin.precision)
+        enforce_contract(
+            "zero", self.precision_plugin.precision, device_type=self.root_device.type, compression=self.compression
+        )
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
         refuse_moe(self.lightning_module)
@@ -144,6 +157,7 @@ class ZeroStrategy(LightscaleStrategy):
             accumulate=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=self.precision_plugin.precision,
+            compression=self.compression,
             user_config=self.user_config,
         )
         if not fitting and self.options.stage < 3:
@@ -162,16 +176,19 @@ class ZeroStrategy(LightscaleStrategy):
         root = getattr(self._engine, "module", None)
         return isinstance(root, EngineRoot) and root._lightning_module[0] is module
 
-    def _check_trainer(self, trainer: Trainer) -> None:
+    @override
+    def check_before_launch(self, trainer: Trainer) -> None:
+        self._check_trainer(trainer, _precision_name(self.precision_plugin))
+        if self._nvme_auto:
+            _writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
+
+    def _check_trainer(self, trainer: Trainer, precision: str) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
             raise ConfigurationError(
-                "DeepSpeed clips gradients by norm only; use gradient_clip_algorithm='norm' with the ZeRO strategies."
+                "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
+                "by norm only; use gradient_clip_algorithm='norm'."
             )
-        if self.precision_plugin.precision == "16-mixed" and self.root_device.type == "cpu":
-            raise ConfigurationError(
-                "precision='16-mixed' under DeepSpeed needs CUDA: DeepSpeed's CPU accelerator has no fp16 support. "
-                "Use 'bf16-mixed' or '32-true' on CPU."
-            )
+        refuse_impossible("zero", precision, device_type=self.root_device.type, compression=self.compression)
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
         options = self._nvme_options(trainer) if self._nvme_auto else self.options
@@ -263,11 +280,13 @@ class ZeroStrategy(LightscaleStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
         target = Path(self.broadcast(str(filepath)))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
-            self._save_engine_directory(target, rest)
+            client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            self._save_engine_directory(target, client_state)
             return
-        rest["lightscale"] = {"format": 1, "strategy": self._name(), "world_size": self.world_size}
+        rest = self.trainer_state(checkpoint)
+        rest["lightscale"]["strategy"] = self._name()
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
 
@@ -309,7 +328,10 @@ class ZeroStrategy(LightscaleStrategy):
         if (path / CHECKPOINT_TAG).is_dir():
             return self._load_engine_directory(path, fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
-        return self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        if fitting:  # set back at the first batch, as every strategy does (LightscaleStrategy.on_train_batch_start)
+            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+        return meta
 
     def _load_engine_directory(self, path: Path, fitting: bool) -> dict[str, Any]:
         optimizer = self.engine.optimizer
@@ -317,6 +339,8 @@ class ZeroStrategy(LightscaleStrategy):
             # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
             # from the loaded weights, but DeepSpeed calls the refresh anyway.
             optimizer._restore_from_bit16_weights = lambda: None
+        model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()}
+        check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
         _, client_state = self.engine.load_checkpoint(
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
         )
@@ -387,7 +411,16 @@ def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
         return config
     import json
 
-    return json.loads(Path(config).read_text())
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"ZeroStrategy(config={config!r}): no such file. Valid: a dict of DeepSpeed options or the path of an "
+            "existing JSON file."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigurationError(f"ZeroStrategy(config={config!r}) is not valid JSON: {error}.") from error
 
 
 def _writable_dir(path: Path) -> Path:

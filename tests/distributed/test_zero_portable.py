@@ -122,7 +122,7 @@ def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tm
     file = read_back(first)
     assert_bitwise(reference["saved"], file)  # what the engine held is what was written
     trainer_state = SafeCheckpointIO().load_checkpoint(first / TRAINER_STATE)
-    assert trainer_state["lightscale"] == {"format": 1, "strategy": "zero2", "world_size": 2}
+    assert trainer_state["lightscale"].items() >= {"format": 1, "strategy": "zero2", "world_size": 2}.items()
     assert trainer_state["global_step"] == EVERY and "state_dict" not in trainer_state
     previous, step = first, EVERY
     for strategy, ranks in CHAIN:
@@ -143,5 +143,5 @@ def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tm
         assert_bitwise(out["saved"], read_back(saved_to))
         if strategy.startswith("zero"):
             entry = SafeCheckpointIO().load_checkpoint(saved_to / TRAINER_STATE)["lightscale"]
-            assert entry == {"format": 1, "strategy": strategy, "world_size": ranks}
+            assert entry.items() >= {"format": 1, "strategy": strategy, "world_size": ranks}.items()
         previous, step = saved_to, step + EVERY

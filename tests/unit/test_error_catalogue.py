@@ -211,6 +211,32 @@ def _precision_section(name):
     precision_section(name)
 
 
+def _plain_lightning_strategy(name):
+    import lightning
+
+    _lightscale()  # importing lightscale hooks its name check into plain lightning.Trainer
+    lightning.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+
+
+def _zero_fit(**trainer_kwargs):
+    from lightscale.recipes.gpt import GPTModule
+
+    trainer = _lightscale().Trainer(
+        strategy="zero2", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(GPTModule(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)))
+
+
+def _other_shape_checkpoint():
+    from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+    from lightscale.recipes.gpt import GPT
+
+    saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
+    model = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=32)).state_dict()
+    check_shapes(tensor_shapes(saved), tensor_shapes(model), "last.ckpt")
+
+
 def _error(name: str) -> type[BaseException]:
     from lightscale.errors import ConfigurationError
 
@@ -359,6 +385,40 @@ CATALOGUE: list[tuple] = [
      r"starts with 'model.'; keys: \['net.weight'\]"),
     ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
      r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
+    ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",
+     lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="16-mixed"), CE,
+     r"precision='16-mixed' cannot run under the zero strategies on cpu.*Valid precisions there: 32-true, bf16-mixed"),
+    ("compression-bf16-true-fp16", "fp16 gradient compression of bf16-true gradients",
+     lambda: _lightscale().Trainer(strategy=_fsdp2(compression="fp16"), accelerator="cpu", devices=1,
+                                   precision="bf16-true"), CE,
+     r"compression='fp16' with precision='bf16-true'.*'bf16'"),
+    ("compression-fsdp2", "unknown compression under FSDP2", lambda: _fsdp2(compression="int8"), CE,
+     r"compression='int8' is not valid; choose one of 'none', 'bf16', 'fp16'"),
+    ("compression-zero", "unknown compression under ZeRO", lambda: _zero(compression="fp8"), CE,
+     r"compression='fp8' is not valid; choose one of 'none', 'bf16', 'fp16'"),
+    ("compression-p3d", "unknown compression under parallel_3d", lambda: _p3d(compression="bf32"), CE,
+     r"compression='bf32' is not valid"),
+    ("ds-comm-dtype", "DeepSpeed communication_data_type set by hand",
+     lambda: _ds_config({"communication_data_type": "fp16"}), CE,
+     r"'communication_data_type' is set by lightscale from the strategy's compression"),
+    ("plain-lightning-strategy-name", "unknown strategy name in plain lightning.Trainer after import lightscale",
+     lambda: _plain_lightning_strategy("zero3_ofload"), CE,
+     r"Unknown strategy 'zero3_ofload'\. Did you mean 'zero3_offload'\?.*lightscale strategies: .*zero3_offload"),
+    ("zero-nvme-not-writable", "ZeroStrategy nvme_path not writable (at construction)",
+     lambda: _zero(stage=3, offload_optimizer=True, offload_params=True, nvme_path="/proc/lightscale_swap"), CE,
+     r"Offload directory /proc/lightscale_swap is not writable"),
+    ("zero-clip-value", "gradient_clip_algorithm='value' under ZeRO (before processes start)",
+     lambda: _zero_fit(gradient_clip_val=1.0, gradient_clip_algorithm="value"), CE,
+     r"gradient_clip_algorithm='value' is not valid.*use gradient_clip_algorithm='norm'"),
+    ("zero-config-missing", "ZeroStrategy(config=) naming a file that does not exist",
+     lambda: _zero(config="missing.json"), CE, r"config='missing\.json'\): no such file.*dict.*JSON file"),
+    ("gpt-data-missing-file", "GPTDataModule text_files naming a missing file",
+     lambda: _data(text_files=["missing_corpus.txt"]), CE,
+     r"no such file \['missing_corpus\.txt'\].*text_files=None"),
+    ("ckpt-other-shape", "resuming a checkpoint of a differently shaped model (keys and shapes named)",
+     _other_shape_checkpoint, CE,
+     r"last\.ckpt was saved from a differently shaped model: tok_embeddings\.weight: checkpoint \(256, 16\), "
+     r"model \(256, 32\)"),
 ]
 # fmt: on
 

@@ -23,6 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
+from lightscale.errors import ConfigurationError
+from lightscale.strategies.sampler import position_in_epoch
+
 TOKEN_DTYPE = np.uint16  # half the disk of int32; fits any vocabulary up to 65,536
 
 
@@ -235,6 +238,12 @@ class GPTDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if isinstance(text_files, str):  # a lone path would otherwise be read character by character
             raise TypeError(f"text_files must be a list of paths, got the string {text_files!r}; wrap it in [...]")
+        missing = [str(path) for path in text_files or [] if not Path(path).is_file()]
+        if missing:  # at construction: a typo fails before any process starts, not in prepare_data
+            raise ConfigurationError(
+                f"GPTDataModule(text_files=...): no such file {missing}. Valid: existing text files, or "
+                "text_files=None for the default corpus."
+            )
         self.save_hyperparameters()
         self.text_files = text_files
         self.block_size = block_size
@@ -269,15 +278,6 @@ class GPTDataModule(pl.LightningDataModule):
             return 1, 0
         return kwargs["num_replicas"], kwargs["rank"]
 
-    def _position_in_epoch(self) -> tuple[int, int]:
-        """(epoch, batches done) restored from a checkpoint, so a mid-epoch resume sees no batch twice."""
-        fit_loop = getattr(getattr(self, "trainer", None), "fit_loop", None)
-        if fit_loop is None:  # not attached to a Trainer (a hand-written loop)
-            return 0, 0
-        # "ready" counts batches fetched: a checkpoint written in on_train_batch_end (ModelCheckpoint) has not
-        # marked its batch "completed" yet, but that batch was trained on.
-        return fit_loop.epoch_progress.current.completed, fit_loop.epoch_loop.batch_progress.current.ready
-
     def _loader(self, dataset: TokenWindows | None, *, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("GPTDataModule.setup() must run before asking for a dataloader")
@@ -292,7 +292,7 @@ class GPTDataModule(pl.LightningDataModule):
             roll_over=train,
         )
         if train:
-            sampler.resume_from(*self._position_in_epoch())
+            sampler.resume_from(*position_in_epoch(getattr(self, "trainer", None)))
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

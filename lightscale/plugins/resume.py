@@ -1,0 +1,94 @@
+"""``resume="auto"``: continue from the newest complete checkpoint of this run, or start fresh when there is none.
+
+A restarted job (torchrun ``--max-restarts``, a SLURM requeue, a person re-running the same command) must pick up
+where the last complete save left it without anyone finding the file. The run's checkpoints are where its
+``ModelCheckpoint`` writes them (``dirpath``). Complete checkpoints are the ``*.ckpt`` files and directories there:
+lightscale writes every checkpoint beside its final name first (``X.ckpt.partial`` files, ``X.ckpt.tmp``
+directories) and renames it into place when complete, so staging left-overs of a killed save never carry the
+``.ckpt`` suffix; a save killed between the two renames of a directory swap leaves ``last.old.ckpt``, which counts.
+Of those, the newest by modification time wins, the rule Lightning's ``ckpt_path="last"`` applies to ``last*.ckpt``
+(here step-named top-k files count too, so ``save_last`` is not required).
+
+Every rank decides alone from the same directory: at the start of ``fit`` no rank of this attempt has saved yet and
+every rank of the previous attempt is gone, so they all see the same files.
+
+Example:
+    >>> Trainer(..., callbacks=[PeriodicCheckpoint("ckpts", every_n_steps=100)], resume="auto").fit(model, data)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightscale.errors import ConfigurationError
+
+RESUME_CHOICES = ("auto", "never")
+_STAGING_SUFFIXES = (".tmp", ".partial", ".trash")  # never complete, whatever precedes the suffix
+
+
+def newest_checkpoint(dirpath: str | Path) -> Path | None:
+    """The newest complete checkpoint (file or directory) in ``dirpath``; None when there is none."""
+    directory = Path(dirpath)
+    if not directory.is_dir():
+        return None
+    complete = [path for path in directory.iterdir() if path.suffix == ".ckpt" and _is_complete(path)]
+    if not complete:
+        return None
+    # Ties (a coarse clock): prefer last*.ckpt, which ModelCheckpoint writes after the step-named copy.
+    return max(complete, key=lambda path: (path.stat().st_mtime_ns, path.name.startswith("last")))
+
+
+def _is_complete(path: Path) -> bool:
+    if any(path.name.endswith(suffix) for suffix in _STAGING_SUFFIXES):
+        return False
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def check_resume(resume: Any) -> None:
+    if resume is not None and resume not in RESUME_CHOICES:
+        raise ConfigurationError(f"resume={resume!r} is not valid; valid values are {list(RESUME_CHOICES)} or None.")
+
+
+def checkpoint_dir(callbacks: list[Any], *, has_logger: bool, default_root_dir: str) -> Path:
+    """The one directory this run's checkpoints go to; a clear error when that is not one fixed directory."""
+    if not callbacks:
+        raise ConfigurationError(
+            "resume='auto' needs checkpoints to resume from, but no ModelCheckpoint is configured (or "
+            "enable_checkpointing=False); add one, e.g. lightscale.callbacks.PeriodicCheckpoint(dirpath='ckpts', "
+            "every_n_steps=100)."
+        )
+    dirpaths = {callback.dirpath for callback in callbacks}
+    if len(dirpaths) > 1:
+        raise ConfigurationError(
+            f"resume='auto' needs one checkpoint directory, but the ModelCheckpoint callbacks write to "
+            f"{sorted(str(path) for path in dirpaths)}; give them the same dirpath or pass ckpt_path explicitly."
+        )
+    (dirpath,) = dirpaths
+    if dirpath is not None:
+        return Path(dirpath)
+    if has_logger:  # Lightning's default is under the logger's version directory, a new one per run
+        raise ConfigurationError(
+            "resume='auto' needs ModelCheckpoint(dirpath=...): without it checkpoints go to the logger's "
+            "version_N directory, which is new in every run, so a restarted run would never find them."
+        )
+    return Path(default_root_dir) / "checkpoints"  # Lightning's default without a logger
+
+
+def resolve_resume(resume: str | None, ckpt_path: Any, directory: Path | None) -> Any:
+    """The ``ckpt_path`` to hand to Lightning: an explicit one wins; ``resume="auto"`` finds the newest in
+    ``directory`` (from :func:`checkpoint_dir`)."""
+    if resume != "auto":
+        return ckpt_path
+    if ckpt_path is not None:
+        rank_zero_info(f"lightscale: resume='auto' ignored: the explicit ckpt_path={ckpt_path!r} wins.")
+        return ckpt_path
+    assert directory is not None
+    found = newest_checkpoint(directory)
+    if found is None:
+        rank_zero_info(f"lightscale: resume='auto' found no complete checkpoint in {directory}; starting fresh.")
+        return None
+    rank_zero_info(f"lightscale: resume='auto' resumes from {found}.")
+    return str(found)

@@ -1,0 +1,47 @@
+"""Refuse a checkpoint of a differently shaped model before loading it, naming the keys and both shapes.
+
+torch reports a mismatch as a ``RuntimeError`` listing every key of a strict load (single file), and DCP as a
+planner error from inside a collective (sharded directories). Comparing the saved shapes with the model's first
+gives one message in both cases, before any tensor is copied and before the first training step.
+
+Example:
+    >>> check_shapes({"model.wte.weight": (256, 32)}, {"model.wte.weight": (256, 64)}, "last.ckpt")
+    ConfigurationError: last.ckpt was saved from a differently shaped model: model.wte.weight: checkpoint
+    (256, 32), model (256, 64). ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightscale.errors import ConfigurationError
+
+_SHOWN = 5
+
+
+def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int]], source: str) -> None:
+    """Raise a ConfigurationError naming the first keys whose saved shape differs from the model's (global) shape.
+
+    Keys present on one side only are left to the loader's own strict/non-strict handling.
+    """
+    mismatched = [
+        f"{key}: checkpoint {tuple(shape)}, model {tuple(model[key])}"
+        for key, shape in saved.items()
+        if key in model and tuple(shape) != tuple(model[key])
+    ]
+    if mismatched:
+        more = f" (and {len(mismatched) - _SHOWN} more)" if len(mismatched) > _SHOWN else ""
+        raise ConfigurationError(
+            f"{source} was saved from a differently shaped model: {'; '.join(mismatched[:_SHOWN])}{more}. Build the "
+            "model with the configuration it was saved with, or start without ckpt_path."
+        )
+
+
+def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The (global) shape of every tensor entry of a state dict; a ZeRO-3 partition reports its full ``ds_shape``."""
+    return {
+        key: tuple(getattr(value, "ds_shape", value.shape)) for key, value in state.items() if isinstance(value, Tensor)
+    }
