@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +11,8 @@ import torch.distributed as dist
 
 import lightscale
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
-from lightscale.strategies import ZeroStrategy
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
-# Rows for the checkpoint matrix: (name, world size, strategy factory). Every ZeRO name saves the portable DCP
-# layout by default (tests/distributed/test_zero_portable.py checks zero2 -> zero3 -> fsdp2@4 -> zero3_offload).
-ZERO_SAVERS: list[tuple[str, int, Callable[[], Any]]] = [
-    ("zero1", 2, partial(ZeroStrategy, stage=1)),
-    ("zero2", 2, partial(ZeroStrategy, stage=2)),
-    ("zero2_offload", 2, partial(ZeroStrategy, stage=2, offload_optimizer=True)),
-    ("zero3", 2, partial(ZeroStrategy, stage=3)),
-    ("zero3_offload", 2, partial(ZeroStrategy, stage=3, offload_optimizer=True, offload_params=True)),
-]
 # Plain SGD sees a wrong gradient scale: a 2x gradient is a 2x step (AdamW would cancel it). The rate is large
 # enough that 2x moves the tiny GPT's losses by far more than the parity tolerance (test_parity.py measures it).
 SGD_LR = 0.25

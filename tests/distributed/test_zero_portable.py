@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from checkpoint_matrix import torch_live_state, zero_live_state
 from helpers import relative_difference, train_tiny_gpt
 
 from lightscale.plugins import SafeCheckpointIO
@@ -23,32 +24,12 @@ from lightscale.testing import run_distributed
 TOLERANCE = 1e-6  # relative, per step: the same arithmetic resumed; strategies differ only in reduction order
 STEPS, EVERY = 12, 3
 GLOBAL_BATCH = 8
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def gathered_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.Tensor]:
-    """Full fp32 weights, moments and steps as the running strategy holds them, keyed like the checkpoint."""
-    engine = getattr(trainer.strategy, "engine", None)
-    if engine is None:  # FSDP2: torch's own gather
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
-        model, optim = get_state_dict(module, trainer.optimizers, options=options)
-        state = {f"model.{k}": v.clone() for k, v in model.items()}  # clones: a CPU tensor comes back live
-        return state | {f"optimizer.{k}": v.clone() for k, v in optim.items() if k.startswith("state.")}
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    from lightscale.plugins.zero_portable import materialize_optimizer_state, optimizer_step
-
-    materialize_optimizer_state(engine.optimizer)  # ZeRO-1/2 link their per-parameter moment views lazily
-    step = torch.tensor(float(optimizer_step(engine.optimizer)))
-    state: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters():
-        state[f"model.{name}"] = safe_get_full_fp32_param(param).cpu().clone()
-        for key in MOMENTS:
-            state[f"optimizer.state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu().clone()
-        state[f"optimizer.state.{name}.step"] = step
-    return state
+def gathered_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """Full fp32 weights, moments and steps as the running strategy holds them (the matrix harness's gatherers)."""
+    live = zero_live_state if hasattr(trainer.strategy, "engine") else torch_live_state
+    return {key: value for key, value in live(trainer).items() if isinstance(value, torch.Tensor)}
 
 
 class Probe(pl.Callback):
@@ -61,11 +42,11 @@ class Probe(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_step:
-            self.restored = gathered_state(trainer, module)
+            self.restored = gathered_state(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.save_every:
-            self.saved = gathered_state(trainer, module)
+            self.saved = gathered_state(trainer)
             trainer.save_checkpoint(self.path)
 
 
