@@ -176,12 +176,13 @@ def _load_batch(path: Path, batch: list[tuple[str, nn.Parameter]], zero: Any | N
         state["optimizer"] = {
             f"state.{name}.{key}": torch.empty(_shape(param), dtype=torch.float32)
             for name, param in batch
+            if param.requires_grad  # frozen parameters have no optimizer state in any checkpoint
             for key in MOMENTS
         }
     path = read_checkpoint(path, state)
     for name, param in batch:
         _set_weight(param, model[name], zero)
-        if zero is not None:
+        if zero is not None and param.requires_grad:
             _set_moments(param, {key: state["optimizer"][f"state.{name}.{key}"] for key in MOMENTS})
     return path
 
@@ -209,9 +210,8 @@ def _master_device(param: nn.Parameter) -> torch.device:
 def _set_moments(param: nn.Parameter, moments: dict[str, Tensor]) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
-    if param.requires_grad:
-        for key, value in moments.items():
-            safe_set_full_optimizer_state(param, value.to(_master_device(param)), key)
+    for key, value in moments.items():
+        safe_set_full_optimizer_state(param, value.to(_master_device(param)), key)
 
 
 def _load_buffers(path: Path, module: nn.Module) -> Path:
