@@ -19,6 +19,8 @@ from helpers import relative_difference, train_tiny_gpt
 from lightscale.plugins import SafeCheckpointIO, zero_portable
 from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG
+from lightscale.strategies import ZeroStrategy
 from lightscale.testing import run_distributed
 
 TOLERANCE = 1e-6  # relative, per step: the same arithmetic resumed; strategies differ only in reduction order
@@ -50,7 +52,7 @@ class Probe(pl.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _link(strategy: str, cache_dir: str, save_at: int, save_to: str, resume_from: str | None, stop: bool) -> dict:
+def _link(strategy: Any, cache_dir: str, save_at: int, save_to: str, resume_from: str | None, stop: bool) -> dict:
     """Train (resuming from ``resume_from``), save ``save_to`` at step ``save_at``; losses and gathered states."""
     probe = Probe(save_at, save_to)
     stopper = [_StopAt(save_at)] if stop else []
@@ -128,3 +130,14 @@ def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tm
             entry = SafeCheckpointIO().load_checkpoint(saved_to / TRAINER_STATE)["lightscale"]
             assert entry.items() >= {"format": 1, "strategy": strategy, "world_size": ranks}.items()
         previous, step = saved_to, step + EVERY
+
+
+def test_a_deepspeed_directory_resumes_and_is_saved_again_in_the_layout(corpus_cache: str, tmp_path: Path) -> None:
+    native, portable = tmp_path / "native.ckpt", tmp_path / "portable.ckpt"
+    saver = ZeroStrategy(stage=2, checkpoint_format="deepspeed")
+    reference = run_distributed(_link, saver, corpus_cache, EVERY, str(native), None, False, world_size=2)[0]
+    assert (native / CHECKPOINT_TAG).is_dir()  # DeepSpeed's own directory
+    out = run_distributed(_link, "zero2", corpus_cache, 2 * EVERY, str(portable), str(native), True, world_size=2)[0]
+    assert_bitwise(out["restored"], reference["saved"])  # imported exactly
+    assert relative_difference(out["losses"], reference["losses"][EVERY : 2 * EVERY]) <= TOLERANCE
+    assert_bitwise(out["saved"], read_back(portable))  # and written in the portable layout
