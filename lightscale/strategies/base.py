@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
@@ -62,9 +63,15 @@ def _destroy_process_group() -> None:
 
 
 class LightscaleStrategy(ParallelStrategy):
-    """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
+    """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
+
+    ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
+    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies with ``supports_async_save``.
+    """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    # Strategies that save through write_checkpoint(..., writer=self.checkpoint_writer) set this (async_save=True).
+    supports_async_save: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class LightscaleStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -93,6 +101,19 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self.checkpoint_writer = self._async_writer(async_save)
+
+    def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
+        """The background writer of ``async_save=True`` (lightscale/plugins/async_checkpoint.py), or ``None``."""
+        if not async_save:
+            return None
+        if not type(self).supports_async_save:
+            supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if cls.supports_async_save)
+            raise ConfigurationError(
+                f"async_save=True is not supported by {type(self).__name__}: it does not save through the portable "
+                f"checkpoint writer. Strategies with async_save: {supported}."
+            )
+        return AsyncCheckpointWriter(timeout=self._timeout)
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -262,9 +283,15 @@ class LightscaleStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]

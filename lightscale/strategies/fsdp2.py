@@ -65,6 +65,7 @@ class FSDP2Strategy(LightscaleStrategy):
         >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
     """
 
+    supports_async_save = True  # saves through write_checkpoint
     aliases = {
         "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
         "fsdp2_grad_op": (
@@ -224,7 +225,9 @@ class FSDP2Strategy(LightscaleStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+        save_sharded(
+            path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint, writer=self.checkpoint_writer
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         >>> Trainer(strategy=Parallel3DStrategy(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4), devices=8)
     """
 
+    supports_async_save = True  # saves through write_checkpoint
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
         "tp2": ("tensor parallel over 2 ranks (sequence + loss parallel), the rest FSDP2", {"tp": 2}),
@@ -378,7 +379,14 @@ class Parallel3DStrategy(LightscaleStrategy):
         path = Path(self.broadcast(str(filepath)))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with self._stages_in_place():
-            save_sharded(path, self.lightning_module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+            save_sharded(
+                path,
+                self.lightning_module,
+                self.optimizers,
+                rest,
+                self.checkpoint_io.save_checkpoint,
+                writer=self.checkpoint_writer,
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
