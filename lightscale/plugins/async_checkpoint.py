@@ -29,8 +29,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+from typing_extensions import override
 
 from lightscale.plugins.atomic_dir import publish, staging_path, start_staging
 
@@ -56,7 +59,9 @@ class AsyncCheckpointWriter:
             start_staging(path)
         if distributed:
             dist.barrier()  # the training group, from the training thread: nobody writes before the clean-up
-        upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._side_group())
+        upload = dcp.async_save(
+            state, checkpoint_id=str(staging), process_group=self._side_group(), async_stager=_CPUCopyStager()
+        )
         self._pending = self._thread().submit(self._publish, upload, staging, path, rank == 0, write_rest)
 
     def _publish(
@@ -96,3 +101,35 @@ class AsyncCheckpointWriter:
             kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
             self._group = dist.new_group(backend="gloo", **kwargs)
         return self._group
+
+
+class _CPUCopyStager(AsyncStager):
+    """Stages by copying every tensor into fresh CPU memory (DTensors keep their placements), in the caller.
+
+    torch's ``DefaultStager`` deep-copies the state dict through a generic memo-based traversal; a plain copy of
+    each tensor does the same job in a fraction of the time, which is the time training is blocked.
+    """
+
+    _synchronize_after_execute = False
+
+    @override
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _cpu_copy(state_dict)
+
+    @override
+    def synchronize_staging(self) -> None:
+        pass
+
+    @override
+    def close(self) -> None:
+        pass
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu_copy(item) for item in value)
+    return value  # numbers, strings, None (what state dicts hold besides tensors and containers)
