@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer as LightningTrainer
 
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.precision import check_precision, maybe_cpu_fp16_plugin
+from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
 from lightscale.strategies.registry import check_strategy, register_strategies
 
 
@@ -29,6 +29,8 @@ class Trainer(LightningTrainer):
         check_strategy(kwargs.get("strategy", "auto"))
         check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
         check_precision(kwargs.get("precision"))
+        accelerator = kwargs.get("accelerator", "auto")
+        check_strategy_precision(kwargs.get("strategy", "auto"), kwargs.get("precision"), accelerator)
         fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
         if fp16_on_cpu is not None:
             kwargs["precision"] = None

@@ -114,7 +114,11 @@ class Pipeline:
             self.schedule.step(*args, **kwargs, return_outputs=False)
         finally:
             self.loss.scale = None
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
+        loss = (
+            torch.stack([x.detach().float() for x in losses]).mean()
+            if self.has_last
+            else torch.zeros((), dtype=torch.float32)
+        )
         loss = loss.to(inputs.device)
         if self.has_last and loss_scale is not None:
             loss = loss / loss_scale(torch.ones((), device=loss.device))  # exact: loss scales are powers of 2
@@ -125,7 +129,11 @@ class Pipeline:
     def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """The module's loss on the whole batch (as one process computes it), forward-only."""
         outputs = self._forward(inputs)
-        loss = self.loss_fn(outputs, targets).detach().float() if outputs is not None else torch.zeros(())
+        loss = (
+            self.loss_fn(outputs, targets).detach().float()
+            if outputs is not None
+            else torch.zeros((), dtype=torch.float32)
+        )
         loss = loss.to(inputs.device)
         dist.broadcast(loss, src=self.last_stage_owner, group=self.pp_group)
         return loss

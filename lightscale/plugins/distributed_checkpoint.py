@@ -37,6 +37,8 @@ from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
 
 TRAINER_STATE = "trainer_state.pt"
+# trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
+LAYOUT_FORMAT = 1
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -128,9 +130,8 @@ def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
 def check_checkpoint_dir(path: Path) -> None:
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
-            f"{path} is not a sharded checkpoint directory saved by an FSDP2 strategy or parallel_3d (it "
-            f"needs .metadata and {TRAINER_STATE}). Single-file checkpoints of other strategies cannot be "
-            "resumed here."
+            f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "
+            f"and {TRAINER_STATE}). A single-file Lightning checkpoint loads under bucketed_ddp only."
         )
 
 

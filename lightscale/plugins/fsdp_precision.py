@@ -19,15 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import clip_grad_norm_
+from lightscale.plugins.precision_contract import DTYPES
 
 
 def precision_name(plugin: Precision) -> str:
@@ -36,18 +40,21 @@ def precision_name(plugin: Precision) -> str:
     name = "32-true" if name == "32" else name
     if name not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
         raise ConfigurationError(
-            f"precision={name!r} is not supported by the FSDP2 strategies; choose 32-true, bf16-mixed, 16-mixed or "
+            f"precision={name!r} is not supported by lightscale's strategies; choose 32-true, bf16-mixed, 16-mixed or "
             "bf16-true."
         )
     return name
 
 
-def mp_policy(precision: str) -> MixedPrecisionPolicy:
-    """The FSDP2 mixed-precision policy for a Trainer precision name."""
-    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if compute is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+def mp_policy(precision: str, compression: str = "none", *, cast_params: bool = True) -> MixedPrecisionPolicy:
+    """The FSDP2 mixed-precision policy for a Trainer precision name (the contract in precision_contract.py).
+
+    Mixed modes compute with parameters cast to bf16/fp16 and reduce gradients in fp32; ``compression`` reduces in
+    bf16/fp16 instead. ``cast_params=False`` leaves compute to autocast (a pipeline stage) and sets only the reduction.
+    """
+    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision) if cast_params else None
+    reduce = DTYPES.get(compression) or (torch.float32 if compute is not None else None)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
 
 
 class _ShardedClipping:
@@ -68,8 +75,6 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
     def __init__(self, precision: str, device: str) -> None:
         scaler = None
         if precision == "16-mixed":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             scaler = ShardedGradScaler(device=device)
         super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
 
@@ -90,3 +95,27 @@ def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
     if precision == "bf16-true":
         return FSDP2HalfPrecision("bf16-true")
     return FSDP2Precision()
+
+
+class MixedTensorGradScaler(ShardedGradScaler):
+    """``ShardedGradScaler`` (one skip-or-step decision over all ranks) for a model whose parameters are partly
+    DTensors (layers in the tensor-parallel plan) and partly plain tensors (the rest): torch's fused unscale kernel
+    refuses such a mix in one call, so each kind is unscaled by its own call into the same found-inf flag.
+
+    Example:
+        >>> MixedPrecision("16-mixed", "cpu", scaler=MixedTensorGradScaler(device="cpu"))
+    """
+
+    @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        kinds: dict[bool, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                kinds.setdefault(isinstance(param, DTensor), []).append(param)
+        flags: dict[torch.device, torch.Tensor] = {}
+        for params in kinds.values():  # the found-inf tensor per device is shared: both calls set the same flag
+            view = SimpleNamespace(param_groups=[{"params": params}])
+            flags.update(super()._unscale_grads_(view, inv_scale, found_inf, allow_fp16))  # type: ignore[arg-type]
+        return flags

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.precision_contract import Family, refuse_impossible
 
 SUPPORTED = ("32", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -30,3 +31,23 @@ def maybe_cpu_fp16_plugin(precision: str | int | None, accelerator: object) -> P
     if str(precision) != "16-mixed" or not on_cpu:
         return None
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def check_strategy_precision(strategy: object, precision: str | int | None, accelerator: object) -> None:
+    """Refuse, at Trainer construction, a precision the strategy's engine cannot run on this device."""
+    family = _precision_family(strategy)
+    if family is None or precision is None:
+        return
+    name = "32-true" if str(precision) in ("32", "32-true") else str(precision)
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
+    compression = getattr(strategy, "compression", "none")  # an instance's argument; a name's class has none
+    compression = compression if isinstance(compression, str) else "none"
+    refuse_impossible(family, name, device_type="cpu" if on_cpu else "cuda", compression=compression)
+
+
+def _precision_family(strategy: object) -> Family | None:
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy = dict.get(StrategyRegistry, strategy.lower(), {}).get("strategy")  # the class, not an instance
+    return getattr(strategy, "precision_family", None)

@@ -2,7 +2,8 @@
 
 What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
 parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
-plugins, applying parallelism to the model from outside it, and teardown.
+plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
+(lightscale/plugins/distributed_checkpoint.py: any strategy's, at any world size), and teardown.
 
 What a subclass supplies:
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +47,8 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
 from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
+from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 from lightscale.strategies.mesh import ParallelDims
@@ -66,12 +71,15 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
-    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies with ``supports_async_save``.
+    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies that save through this class's
+    ``save_checkpoint`` (the portable layout).
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
-    # Strategies that save through write_checkpoint(..., writer=self.checkpoint_writer) set this (async_save=True).
-    supports_async_save: ClassVar[bool] = False
+    # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
+    # unsharded model; sharded strategies read the layout alone.
+    reads_single_files: ClassVar[bool] = True
+    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
 
     def __init__(
         self,
@@ -101,14 +109,15 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self.checkpoint_writer = self._async_writer(async_save)
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
         """The background writer of ``async_save=True`` (lightscale/plugins/async_checkpoint.py), or ``None``."""
         if not async_save:
             return None
-        if not type(self).supports_async_save:
-            supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if cls.supports_async_save)
+        if not _saves_portable_layout(type(self)):
+            supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if _saves_portable_layout(cls))
             raise ConfigurationError(
                 f"async_save=True is not supported by {type(self).__name__}: it does not save through the portable "
                 f"checkpoint writer. Strategies with async_save: {supported}."
@@ -274,6 +283,59 @@ class LightscaleStrategy(ParallelStrategy):
             where += " prints where it was"
         return where
 
+    # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the layout loads into the parallelized model and its optimizers, which setup creates
+
+    @contextmanager
+    def checkpoint_module(self) -> Iterator[nn.Module]:
+        """The module whose state a checkpoint holds, under the LightningModule's own parameter names."""
+        yield self.lightning_module
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
+        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
+        path = Path(self.broadcast(str(filepath)))
+        with self.checkpoint_module() as module:
+            rest = self.trainer_state(checkpoint)
+            save_file = self.checkpoint_io.save_checkpoint
+            save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
+
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
+        rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
+        return {**rest, "lightscale": {**writer, "rng": gather_rng_states()}}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
+        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file() and self.reads_single_files:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        with self.checkpoint_module() as module:
+            read = load_sharded(path, module, self.optimizers if fitting else [])
+        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
+        if fitting:  # set at the first batch: creating the data iterator after this load draws from torch's RNG
+            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        states, self._saved_rng_states = self._saved_rng_states, None
+        if states is not None:
+            restore_rng_states(states)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # a single file; the layout was loaded in load_checkpoint
+            super().load_model_state_dict(checkpoint, strict=strict)
+
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod
     @override
@@ -291,6 +353,11 @@ class LightscaleStrategy(ParallelStrategy):
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def _saves_portable_layout(cls: type) -> bool:
+    """Whether ``cls`` saves through :meth:`LightscaleStrategy.save_checkpoint` (what ``async_save`` runs in)."""
+    return cls.save_checkpoint is LightscaleStrategy.save_checkpoint
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -1,7 +1,8 @@
 """``bucketed_ddp``: lightscale's own data parallelism, written on ``torch.distributed`` collectives.
 
 The model is not wrapped: :class:`~lightscale.parallel.BucketedGradReducer` hooks its parameters, so
-``self.model`` stays the user's LightningModule and checkpoints hold its plain state dict.
+``self.model`` stays the user's LightningModule. Checkpoints are the portable layout of every lightscale strategy
+(whole tensors, written once; see ``LightscaleStrategy.save_checkpoint``); single-file ``.ckpt`` still load.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from typing_extensions import override
 
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
+from lightscale.plugins.fsdp_precision import precision_name
+from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 
 
@@ -31,6 +34,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         >>> Trainer(strategy=BucketedDDPStrategy(bucket_cap_mb=50, compression="bf16"), devices=4)
     """
 
+    precision_family = "bucketed_ddp"
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
@@ -52,6 +56,12 @@ class BucketedDDPStrategy(LightscaleStrategy):
         self.compression = compression
         self.find_unused_parameters = find_unused_parameters
         self.reducer: BucketedGradReducer | None = None
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        name = precision_name(self.precision_plugin)
+        enforce_contract("bucketed_ddp", name, device_type=self.root_device.type, compression=self.compression)
+        super().setup(trainer)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:

@@ -29,6 +29,7 @@ OWNED_KEYS = {
     "fp16": "Trainer(precision='16-mixed')",
     "bf16": "Trainer(precision='bf16-mixed' or 'bf16-true')",
     "amp": "Trainer(precision=...)",
+    "communication_data_type": "the strategy's compression=... (fp32 gradient reduction under mixed precision)",
     "optimizer": "LightningModule.configure_optimizers",
     "scheduler": "LightningModule.configure_optimizers (Lightning steps the scheduler)",
 }
@@ -47,7 +48,6 @@ KNOWN_KEYS = set(OWNED_KEYS) | {
     "dump_state",
     "prescale_gradients",
     "gradient_predivide_factor",
-    "communication_data_type",
     "seq_parallel_communication_data_type",
     "sparse_gradients",
     "aio",
@@ -120,19 +120,27 @@ def zero_section(options: ZeroOptions) -> dict[str, Any]:
     return section
 
 
-def precision_section(precision: str) -> dict[str, Any]:
-    """DeepSpeed's meaning of each Trainer precision (see docs/strategies/zero.md for what differs)."""
+def precision_section(precision: str, compression: str = "none") -> dict[str, Any]:
+    """DeepSpeed's meaning of each Trainer precision (the contract row in lightscale/plugins/precision_contract.py).
+
+    DeepSpeed would reduce in the parameters' dtype (bf16/fp16); the mixed modes reduce in fp32 as under every
+    other strategy, unless ``compression`` asks for bf16/fp16.
+    """
+    engine: dict[str, Any]
     if precision in ("32-true", "32"):
-        return {}
-    if precision in ("bf16-mixed", "bf16-true"):
-        return {"bf16": {"enabled": True}}
-    if precision == "16-mixed":
+        engine = {}
+    elif precision in ("bf16-mixed", "bf16-true"):
+        engine = {"bf16": {"enabled": True}}
+    elif precision == "16-mixed":
         # loss_scale 0 = dynamic loss scaling, DeepSpeed's equivalent of torch's GradScaler.
-        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}}
-    raise ConfigurationError(
-        f"precision={precision!r} is not supported by the ZeRO strategies; choose 32-true, bf16-mixed, "
-        "bf16-true or 16-mixed."
-    )
+        engine = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}}
+    else:
+        raise ConfigurationError(
+            f"precision={precision!r} is not supported by the ZeRO strategies; choose 32-true, bf16-mixed, "
+            "bf16-true or 16-mixed."
+        )
+    reduce = compression if compression != "none" else ("fp32" if precision.endswith("-mixed") else None)
+    return {**engine, **({"communication_data_type": reduce} if reduce else {})}
 
 
 def build_config(
@@ -142,6 +150,7 @@ def build_config(
     accumulate: int,
     gradient_clip_val: float | None,
     precision: str,
+    compression: str = "none",
     user_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The full engine config: the Trainer's and strategy's settings plus the user's validated extras."""
@@ -158,7 +167,7 @@ def build_config(
         "gradient_clipping": float(gradient_clip_val or 0.0),
         "zero_optimization": zero,
         "steps_per_print": user.get("steps_per_print", 2**31 - 1),  # Lightning logs; keep the engine quiet
-        **precision_section(precision),
+        **precision_section(precision, compression),
     }
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +36,8 @@ from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
@@ -59,13 +58,15 @@ class FSDP2Strategy(LightscaleStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (per unit) or ``"selective"`` (keep matmul outputs).
         compile: ``torch.compile`` each unit.
         meta_init: build the model on the meta device and materialize only local shards.
+        compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype instead of fp32 (``reduce_dtype``), the
+            same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
         >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
     """
 
-    supports_async_save = True  # saves through write_checkpoint
+    precision_family = "fsdp2"
     aliases = {
         "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
         "fsdp2_grad_op": (
@@ -78,6 +79,7 @@ class FSDP2Strategy(LightscaleStrategy):
         ),
         "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
     }
+    reads_single_files = False
 
     def __init__(
         self,
@@ -91,9 +93,11 @@ class FSDP2Strategy(LightscaleStrategy):
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
         meta_init: bool = True,
+        compression: Compression = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_compression(compression)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
         for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
@@ -108,6 +112,7 @@ class FSDP2Strategy(LightscaleStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.meta_init = meta_init
+        self.compression = compression
         self._rng_state: dict[str, torch.Tensor] | None = None
         self._root: nn.Module | None = None  # where FSDP roots: the network child or the LightningModule
 
@@ -122,16 +127,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if self.dims.dp_replicate > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # shards are loaded into the sharded model and optimizer
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # loaded with the model in load_checkpoint
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -149,7 +144,9 @@ class FSDP2Strategy(LightscaleStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin = fsdp2_precision_plugin(precision_name(self.precision_plugin), self.root_device.type)
+        name = precision_name(self.precision_plugin)
+        enforce_contract("fsdp2", name, device_type=self.root_device.type, compression=self.compression)
+        self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         self.precision_plugin.convert_module(self.model)
         self.model = self.apply_parallelism(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -172,7 +169,7 @@ class FSDP2Strategy(LightscaleStrategy):
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
-            mp_policy=mp_policy(precision_name(self.precision_plugin)),
+            mp_policy=mp_policy(precision_name(self.precision_plugin), self.compression),
             offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
             reshard_after_forward=self.reshard_after_forward,
             always_shard=True,
@@ -220,29 +217,6 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        path = Path(self.broadcast(str(filepath)))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(
-            path, self.model, self.optimizers, rest, self.checkpoint_io.save_checkpoint, writer=self.checkpoint_writer
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        read = load_sharded(path, self.model, self.optimizers if fitting else [])
-        return self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in load_checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,7 +27,6 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -58,8 +56,13 @@ from lightscale.parallel.pipeline import (
     validate_schedule,
 )
 from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded, save_sharded
-from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import (
+    MixedTensorGradScaler,
+    fsdp2_precision_plugin,
+    mp_policy,
+    precision_name,
+)
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.mesh import ParallelDims
 
@@ -82,13 +85,15 @@ class Parallel3DStrategy(LightscaleStrategy):
         loss_parallel: cross-entropy on vocabulary-sharded logits (no all-gather of the logits).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``, per sharding unit (after TP).
         compile: ``torch.compile`` each sharding unit (after TP and checkpointing, before FSDP).
+        compression: ``"bf16"``/``"fp16"`` reduce data-parallel gradients in that dtype instead of fp32, the same
+            option as ``bucketed_ddp``'s (docs/plugins/precision.md); with dp = ep = 1 there is nothing to reduce.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
         >>> Trainer(strategy=Parallel3DStrategy(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4), devices=8)
     """
 
-    supports_async_save = True  # saves through write_checkpoint
+    precision_family = "parallel_3d"
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
         "tp2": ("tensor parallel over 2 ranks (sequence + loss parallel), the rest FSDP2", {"tp": 2}),
@@ -98,6 +103,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
         "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
+    reads_single_files = False
 
     def __init__(
         self,
@@ -114,10 +120,13 @@ class Parallel3DStrategy(LightscaleStrategy):
         loss_parallel: bool = True,
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
+        compression: Compression = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
+        check_compression(compression)
+        self.compression = compression
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
@@ -204,7 +213,10 @@ class Parallel3DStrategy(LightscaleStrategy):
         if self.dims.tp_enabled:
             plan = tp_plan_of(module, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
         network = root if self.dims.pp_enabled else network_of(module)
-        policy = mp_policy(precision_name(self.precision_plugin)) if self.shards_data_parallel else None
+        policy = None  # no FSDP (dp = ep = 1 without a pipeline): autocast computes, nothing is reduced
+        if self.shards_data_parallel or self.dims.pp_enabled:  # under a pipeline autocast computes, FSDP only reduces
+            name = precision_name(self.precision_plugin)
+            policy = mp_policy(name, self.compression, cast_params=not self.dims.pp_enabled)
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
@@ -352,11 +364,14 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         name = precision_name(self.precision_plugin)
+        enforce_contract("parallel_3d", name, device_type=self.root_device.type, compression=self.compression)
+        if self.compression != "none" and self.dims.data_shards == 1:
+            rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = 1, no gradient is reduced.")
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
             self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
             device = self.root_device.type
-            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=ShardedGradScaler(device=device))
+            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=MixedTensorGradScaler(device=device))
         super().setup(trainer)
         # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -366,55 +381,19 @@ class Parallel3DStrategy(LightscaleStrategy):
         pp_group = self.device_mesh["pp"].get_group() if self.dims.pp_enabled else None
         clip_grad_norm_(params, clip_val, pp_group=pp_group)
 
-    # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------------------
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the sharded model and optimizer must exist before their shards can be loaded into them
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write ``filepath`` as a directory: DCP shards of model and optimizer from every rank, plus the rest of
-        Lightning's checkpoint (loops, schedulers, callbacks) from rank 0 in ``trainer_state.pt``; atomically."""
-        path = Path(self.broadcast(str(filepath)))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with self._stages_in_place():
-            save_sharded(
-                path,
-                self.lightning_module,
-                self.optimizers,
-                rest,
-                self.checkpoint_io.save_checkpoint,
-                writer=self.checkpoint_writer,
-            )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        with self._stages_in_place():
-            read = load_sharded(path, self.lightning_module, self.optimizers)  # in place, into this rank's shards
-        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-        return {**meta, "optimizer_states": []}  # restored above; Lightning only checks that the key exists
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded from the shards in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded from the shards in load_checkpoint
-
+    # ---- checkpoints: the portable layout, written and read by LightscaleStrategy --------------------------------
     @contextmanager
-    def _stages_in_place(self) -> Iterator[None]:
-        """Checkpoints hold what this rank trains: its stages (after fit ``module.model`` is the whole network
-        again, whose other layers are this rank's stale copies)."""
+    @override
+    def checkpoint_module(self) -> Iterator[nn.Module]:
+        """Checkpoints hold what this rank trains: its stages, under the whole model's names (after fit
+        ``module.model`` is the whole network again, whose other layers are this rank's stale copies)."""
         module = self.lightning_module
         if self._stage_view is None or module is None or module.model is self._stage_view:
-            yield
+            yield module
             return
         network, module.model = module.model, self._stage_view
         try:
-            yield
+            yield module
         finally:
             module.model = network
 

@@ -27,6 +27,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
@@ -43,6 +44,8 @@ class ZeroStrategy(LightscaleStrategy):
         offload_params: keep parameters in host memory between uses (stage 3).
         nvme_path: offload to files in this directory instead of host memory (ZeRO-Infinity); default under
             the run's log dir when ``zero_infinity`` is chosen by name.
+        compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype (DeepSpeed's ``communication_data_type``)
+            instead of fp32, the same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
@@ -52,6 +55,7 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
+    precision_family = "zero"
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
@@ -75,9 +79,12 @@ class ZeroStrategy(LightscaleStrategy):
         offload_params: bool = False,
         nvme_path: str | None = None,
         config: dict[str, Any] | str | None = None,
+        compression: Compression = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_compression(compression)
+        self.compression = compression
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
         self.user_config = _read_config(config)
@@ -129,6 +136,7 @@ class ZeroStrategy(LightscaleStrategy):
             accumulate=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=self.precision_plugin.precision,
+            compression=self.compression,
             user_config=self.user_config,
         )
         if not fitting and self.options.stage < 3:
@@ -152,11 +160,8 @@ class ZeroStrategy(LightscaleStrategy):
             raise ConfigurationError(
                 "DeepSpeed clips gradients by norm only; use gradient_clip_algorithm='norm' with the ZeRO strategies."
             )
-        if self.precision_plugin.precision == "16-mixed" and self.root_device.type == "cpu":
-            raise ConfigurationError(
-                "precision='16-mixed' under DeepSpeed needs CUDA: DeepSpeed's CPU accelerator has no fp16 support. "
-                "Use 'bf16-mixed' or '32-true' on CPU."
-            )
+        name = self.precision_plugin.precision
+        enforce_contract("zero", name, device_type=self.root_device.type, compression=self.compression)
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
         options = self._nvme_options(trainer) if self._nvme_auto else self.options

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.strategies import FSDP2Strategy
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.zero import ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed
 
 
@@ -118,5 +118,5 @@ def test_async_save_matches_sync_and_survives_a_kill_mid_write(corpus_cache: str
 
 
 def test_async_save_on_a_strategy_without_it_is_refused() -> None:
-    with pytest.raises(ConfigurationError, match=r"async_save=True is not supported by BucketedDDPStrategy.*FSDP2"):
-        BucketedDDPStrategy(async_save=True)
+    with pytest.raises(ConfigurationError, match=r"async_save=True is not supported by ZeroStrategy.*FSDP2Strategy"):
+        ZeroStrategy(async_save=True)

@@ -110,5 +110,5 @@ def test_export_loads_into_the_single_device_model(corpus_cache: str, tmp_path: 
 
 
 def test_export_of_a_non_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match=r"is not a sharded checkpoint directory saved by an FSDP2 strategy"):
+    with pytest.raises(SystemExit, match=r"is not a sharded checkpoint directory saved by a lightscale strategy"):
         main(["export-fsdp2", str(tmp_path), str(tmp_path / "out.pt")])

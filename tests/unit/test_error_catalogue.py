@@ -357,6 +357,22 @@ CATALOGUE: list[tuple] = [
      r"starts with 'model.'; keys: \['net.weight'\]"),
     ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
      r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
+    ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",
+     lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="16-mixed"), CE,
+     r"precision='16-mixed' cannot run under the zero strategies on cpu.*Valid precisions there: 32-true, bf16-mixed"),
+    ("compression-bf16-true-fp16", "fp16 gradient compression of bf16-true gradients",
+     lambda: _lightscale().Trainer(strategy=_fsdp2(compression="fp16"), accelerator="cpu", devices=1,
+                                   precision="bf16-true"), CE,
+     r"compression='fp16' with precision='bf16-true'.*'bf16'"),
+    ("compression-fsdp2", "unknown compression under FSDP2", lambda: _fsdp2(compression="int8"), CE,
+     r"compression='int8' is not valid; choose one of 'none', 'bf16', 'fp16'"),
+    ("compression-zero", "unknown compression under ZeRO", lambda: _zero(compression="fp8"), CE,
+     r"compression='fp8' is not valid; choose one of 'none', 'bf16', 'fp16'"),
+    ("compression-p3d", "unknown compression under parallel_3d", lambda: _p3d(compression="bf32"), CE,
+     r"compression='bf32' is not valid"),
+    ("ds-comm-dtype", "DeepSpeed communication_data_type set by hand",
+     lambda: _ds_config({"communication_data_type": "fp16"}), CE,
+     r"'communication_data_type' is set by lightscale from the strategy's compression"),
 ]
 # fmt: on
 

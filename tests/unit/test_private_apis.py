@@ -46,6 +46,8 @@ PRIVATE_APIS = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
     ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
     ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
+    ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler._unscale_grads_", "MixedTensorGradScaler"),
+    ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", "precision plugin dtype test"),
 ]
 
 

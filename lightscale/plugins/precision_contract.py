@@ -1,0 +1,200 @@
+"""The precision contract: what each precision name means under every strategy family, as data.
+
+One table answers, for ``32-true``, ``bf16-mixed``, ``16-mixed`` and ``bf16-true`` under ``bucketed_ddp``, the ZeRO
+names, the FSDP2 names and ``parallel_3d``: the dtype parameters are stored in, the dtype matmuls compute in, the
+dtype handed to the data-parallel gradient collective, whether a separate fp32 master copy exists, the optimizer
+state's dtype and whether a dynamic loss scaler runs. The mixed modes reduce gradients in fp32 everywhere; the
+one strategy argument ``compression="bf16"`` (or ``"fp16"``) asks for low-precision reduction under every family.
+Where an engine forces another meaning the row says so in ``difference``, and the strategy warns at start-up;
+combinations an engine cannot run are refused before any work (:func:`enforce_contract`).
+docs/plugins/precision.md is generated from :func:`render_table`; tests/distributed/test_precision_contract.py
+observes every dtype in real steps and compares it with this table.
+
+Example:
+    >>> meaning("zero", "bf16-true").master
+    'fp32'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightscale.errors import ConfigurationError
+
+Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
+Compression = Literal["none", "bf16", "fp16"]
+FAMILIES: tuple[Family, ...] = ("bucketed_ddp", "zero", "fsdp2", "parallel_3d")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+COMPRESSIONS = ("none", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MEMBERS: dict[Family, str] = {
+    "bucketed_ddp": "`bucketed_ddp`, `bucketed_ddp_bf16`",
+    "zero": "`zero1`, `zero2`, `zero2_offload`, `zero3`, `zero3_offload`, `zero_infinity`",
+    "fsdp2": "`fsdp2`, `fsdp2_grad_op`, `hsdp`, `fsdp2_offload`",
+    "parallel_3d": "`parallel_3d`, `tp2`, `pp2`, `tp2_pp2`, `ep2`, `ep2_pp2`, `ep2_tp2`",
+}
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What one precision name does under one strategy family (dtype names: ``fp32``, ``bf16``, ``fp16``)."""
+
+    params: str  # dtype of the parameters the module (or its shards) stores between steps
+    compute: str  # dtype of a Linear layer's output in forward
+    reduce: str  # dtype handed to the data-parallel gradient collective
+    master: str  # a separate fp32 copy the optimizer steps ("fp32"), or "none" (it steps the parameters)
+    optimizer_state: str  # dtype of optimizer state (momentum, Adam moments)
+    loss_scaling: bool  # a dynamic loss scaler runs, with one skip-or-step decision on all ranks
+    how: str  # the mechanism, for the reader
+    difference: str = ""  # where the engine forces another meaning than the standard one: warned at start-up
+
+
+STANDARD = {
+    "32-true": Meaning("fp32", "fp32", "fp32", "none", "fp32", False, "plain fp32"),
+    "bf16-mixed": Meaning("fp32", "bf16", "fp32", "none", "fp32", False, "bf16 autocast"),
+    "16-mixed": Meaning("fp32", "fp16", "fp32", "none", "fp32", True, "fp16 autocast + GradScaler"),
+    "bf16-true": Meaning("bf16", "bf16", "bf16", "none", "bf16", False, "module converted to bf16"),
+}
+
+_FSDP_HOW = {
+    "bf16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+    "16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32) + ShardedGradScaler",
+}
+_P3D_HOW = {
+    "bf16-mixed": "as fsdp2 when FSDP shards the whole module (dp or ep > 1, no pipeline); else bf16 autocast",
+    "16-mixed": "as fsdp2 when FSDP shards the whole module; else fp16 autocast + ShardedGradScaler (all ranks; "
+    "under a pipeline each microbatch loss is scaled inside the schedule)",
+}
+_DS_BF16 = (
+    "DeepSpeed's bf16 engine: the module's parameters are bf16 (every op computes in bf16, no autocast) and the "
+    "optimizer steps an fp32 master copy with fp32 state"
+)
+_DS_FP16 = "DeepSpeed's fp16 engine: fp16 parameters, an fp32 master copy and DeepSpeed's dynamic loss scaler"
+_DIFFERENT = {
+    ("zero", "32-true"): Meaning(
+        "fp32",
+        "fp32",
+        "fp32",
+        "fp32",
+        "fp32",
+        False,
+        "plain fp32",
+        "DeepSpeed's optimizer steps its own fp32 copy of each rank's partition (4 more bytes per parameter / N); "
+        "the values are the same",
+    ),
+    ("zero", "bf16-mixed"): Meaning(
+        "bf16", "bf16", "fp32", "fp32", "fp32", False, "DeepSpeed bf16 + communication_data_type=fp32", _DS_BF16
+    ),
+    ("zero", "16-mixed"): Meaning(
+        "fp16",
+        "fp16",
+        "fp32",
+        "fp32",
+        "fp32",
+        True,
+        "DeepSpeed fp16 + communication_data_type=fp32 (CUDA only: not observed by the CPU test)",
+        _DS_FP16,
+    ),
+    ("zero", "bf16-true"): Meaning(
+        "bf16", "bf16", "bf16", "fp32", "fp32", False, "DeepSpeed bf16", _DS_BF16 + " (it has no pure-bf16 optimizer)"
+    ),
+}
+# (family, precision, device type) -> why the engine cannot run it there.
+_REFUSED = {
+    ("zero", "16-mixed", "cpu"): "DeepSpeed's CPU accelerator has no fp16 support (its fp16 engine needs CUDA)",
+}
+
+
+def meaning(family: Family, precision: str, *, compression: str = "none") -> Meaning:
+    """The contract row for ``precision`` under ``family``; ``compression`` lowers the reduction dtype."""
+    check_family(family)
+    check_contract_precision(precision)
+    check_compression(compression)
+    row = _DIFFERENT.get((family, precision)) or _standard(family, precision)
+    if compression == "none" or row.reduce == compression:
+        return row
+    return replace(row, reduce=compression)
+
+
+def _standard(family: Family, precision: str) -> Meaning:
+    row = STANDARD[precision]
+    how = {"fsdp2": _FSDP_HOW, "parallel_3d": _P3D_HOW}.get(family, {}).get(precision)
+    return replace(row, how=how) if how else row
+
+
+def refusal(family: Family, precision: str, device_type: str) -> str | None:
+    """Why ``family`` cannot run ``precision`` on ``device_type``, or None."""
+    return _REFUSED.get((family, precision, device_type))
+
+
+def valid_precisions(family: Family, device_type: str) -> list[str]:
+    return [p for p in PRECISIONS if refusal(family, p, device_type) is None]
+
+
+def enforce_contract(family: Family, precision: str, *, device_type: str, compression: str = "none") -> Meaning:
+    """Refuse what the engine cannot run (before any work) and warn once where it changes the meaning."""
+    row = meaning(family, precision, compression=compression)
+    refuse_impossible(family, precision, device_type=device_type, compression=compression)
+    if row.difference:
+        rank_zero_warn(
+            f"lightscale: precision={precision!r} under {family}: {row.difference} (see docs/plugins/precision.md).",
+            category=UserWarning,
+        )
+    return row
+
+
+def refuse_impossible(family: Family, precision: str, *, device_type: str, compression: str = "none") -> None:
+    """Raise a ConfigurationError naming strategy, precision and the valid precisions if the engine cannot run it."""
+    reason = refusal(family, precision, device_type)
+    if reason is not None:
+        raise ConfigurationError(
+            f"precision={precision!r} cannot run under the {family} strategies on {device_type}: {reason}. Valid "
+            f"precisions there: {', '.join(valid_precisions(family, device_type))}."
+        )
+    if precision == "bf16-true" and compression == "fp16":
+        raise ConfigurationError(
+            "compression='fp16' with precision='bf16-true' would send bf16 gradients as fp16 (same size, smaller "
+            "range); use compression='none' or 'bf16'."
+        )
+
+
+def check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ConfigurationError(f"Unknown strategy family {family!r}; choose one of {', '.join(FAMILIES)}.")
+
+
+def check_contract_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigurationError(f"precision={precision!r} has no contract row; choose one of {', '.join(PRECISIONS)}.")
+
+
+def check_compression(compression: str) -> None:
+    """The one low-precision-reduction option every data-parallel strategy takes."""
+    if compression not in COMPRESSIONS:
+        raise ConfigurationError(
+            f"compression={compression!r} is not valid; choose one of {', '.join(map(repr, COMPRESSIONS))}."
+        )
+
+
+def render_table() -> str:
+    """The markdown table of docs/plugins/precision.md (a test keeps the page equal to it)."""
+    lines = [
+        "| family | precision | parameters | compute | gradient reduce | fp32 master | optimizer state | "
+        "loss scaling | how | engine difference (warned at start-up) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        for precision in PRECISIONS:
+            row = meaning(family, precision)
+            refused = refusal(family, precision, "cpu")
+            diff = row.difference + (f"; refused on CPU: {refused}" if refused else "")
+            lines.append(
+                f"| {family} | `{precision}` | {row.params} | {row.compute} | {row.reduce} | {row.master} | "
+                f"{row.optimizer_state} | {'dynamic' if row.loss_scaling else 'no'} | {row.how} | {diff or '-'} |"
+            )
+    return "\n".join(lines) + "\n"

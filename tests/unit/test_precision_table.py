@@ -1,0 +1,59 @@
+"""The precision contract's table: docs/plugins/precision.md shows it, and Lightning's callbacks read our plugins.
+
+Regenerate the page's table after changing the contract: ``LIGHTSCALE_UPDATE_ERRORS=1 pytest
+tests/unit/test_precision_table.py`` (the same switch that regenerates docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, MixedPrecision
+
+import lightscale
+from lightscale.plugins.fsdp_precision import MixedTensorGradScaler, fsdp2_precision_plugin, mp_policy
+from lightscale.plugins.precision_contract import DTYPES, FAMILIES, PRECISIONS, meaning, render_table
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins" / "precision.md"
+BEGIN, END = "<!-- contract table: generated from precision_contract.py -->", "<!-- end of contract table -->"
+
+
+def test_docs_table_is_the_code_table() -> None:
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    fresh = f"{head}{BEGIN}\n{render_table()}{END}{tail}"
+    if os.environ.get("LIGHTSCALE_UPDATE_ERRORS"):
+        DOC.write_text(fresh)
+    assert DOC.read_text() == fresh, "docs/plugins/precision.md is stale: rerun with LIGHTSCALE_UPDATE_ERRORS=1"
+
+
+def test_mixed_modes_reduce_in_fp32_unless_compression_asks() -> None:
+    for family in FAMILIES:
+        for precision in ("bf16-mixed", "16-mixed"):
+            assert meaning(family, precision).reduce == "fp32"
+            assert meaning(family, precision, compression="bf16").reduce == "bf16"
+    assert mp_policy("bf16-mixed").reduce_dtype == torch.float32
+    assert mp_policy("32-true", "bf16").reduce_dtype == torch.bfloat16  # the same option under FSDP
+    assert mp_policy("bf16-mixed", "bf16", cast_params=False).param_dtype is None  # a pipeline stage: autocast
+
+
+def _plugins(precision: str) -> dict[str, object]:
+    """The plugin each family trains with (the factories the strategies call in setup)."""
+    trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=1, precision=precision)
+    plugins = {"bucketed_ddp": trainer.strategy.precision_plugin, "fsdp2": fsdp2_precision_plugin(precision, "cpu")}
+    plugins["zero"] = DeepSpeedPrecision(precision)  # type: ignore[arg-type]
+    if precision == "16-mixed":  # parallel_3d without FSDP (tensor parallel, pipelines)
+        plugins["parallel_3d"] = MixedPrecision("16-mixed", "cpu", scaler=MixedTensorGradScaler(device="cpu"))
+    return plugins
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lightning_throughput_monitor_reads_our_plugins(precision: str) -> None:
+    """ThroughputMonitor picks the peak FLOPs by this dtype; an unknown plugin would count as fp32."""
+    for family, plugin in _plugins(precision).items():
+        assert _plugin_to_compute_dtype(plugin) == DTYPES[meaning(family, precision).compute], (family, plugin)
