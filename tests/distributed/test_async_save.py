@@ -3,7 +3,8 @@ saving, and a rank killed while its shards are written in the background leaves 
 
 Three launches of the tiny GPT under fsdp2 on 2 ranks, saving at steps 2 and 4 while training goes on to step 5:
 synchronous (the reference), async with rank 1 killed in the step-4 write (``last.ckpt`` overwritten), and an
-async resume from what the killed run left, whose step-4 save is still in flight when fit ends (teardown waits).
+async resume from what the killed run left, saving at steps 3 and 4 (the second into the first's staging buffers),
+whose step-4 save is still in flight when fit ends (teardown waits).
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ def test_async_save_matches_sync_and_survives_a_kill_mid_write(corpus_cache: str
         assert json.loads((async_dir / f"losses.{rank}.json").read_text()) == reference[rank][:4]
 
     resumed = run_distributed(
-        _train, corpus_cache, {4: last}, asynchronous=True, resume=last, world_size=2, timeout_s=300
+        _train, corpus_cache, {3: last, 4: last}, asynchronous=True, resume=last, world_size=2, timeout_s=300
     )
     assert resumed == [losses[2:] for losses in reference]  # steps 3-5 from step 2's weights and Adam state
-    _assert_same_checkpoint(Path(last), Path(sync[4]))  # in flight at fit's end: published before fit returned
+    # Step 4 staged into step 3's buffers, and in flight at fit's end: published before fit returned.
+    _assert_same_checkpoint(Path(last), Path(sync[4]))
     assert sorted(p.name for p in async_dir.iterdir() if "ckpt" in p.name) == ["last.ckpt"]
 
 
