@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench_moe.py",
     "bench_clip.py",
     "bench_memory.py",
+    "bench_async_save.py",
 ]
 
 

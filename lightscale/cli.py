@@ -1,5 +1,5 @@
 """The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI) and strategies, export, schedule,
-estimate, plan, doctor.
+estimate, plan, doctor, convert.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -135,36 +135,56 @@ def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
 
 
 def export(args: list[str], *, format: str = "auto") -> None:
-    """``lightscale export CHECKPOINT OUTPUT``: any strategy's checkpoint as one state dict file.
+    """``lightscale export CHECKPOINT OUTPUT [--format safetensors|torch]``: any strategy's checkpoint as one file
+    that the single-device model loads.
 
     Reads ZeRO directories, DCP directories (FSDP2 and parallel_3d) and single files (bucketed_ddp, one device);
-    ``export-zero`` and ``export-fsdp2`` force one format.
+    ``export-zero`` and ``export-fsdp2`` force one format. Writes safetensors unless OUTPUT ends in .pt, .pth or
+    .bin (then ``torch.save``, weights-only loadable) or ``--format`` says otherwise.
     """
     import argparse
 
-    from lightscale.plugins.atomic_dir import complete_checkpoint
-    from lightscale.plugins.checkpoint import export_single_file
-    from lightscale.plugins.distributed_checkpoint import export_full_state_dict
-    from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, export_zero_checkpoint
+    from lightscale.plugins.convert import detect_source, infer_target, read_model_state, write_model_state
 
     parser = argparse.ArgumentParser(prog="lightscale export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
-    parser.add_argument("output", help="file to write (torch.save; load with torch.load(weights_only=True))")
+    parser.add_argument("output", help="file to write: safetensors, or torch.save for a .pt/.pth/.bin name")
     parser.add_argument("--prefix", default="model.", help="key prefix to strip; keys without it are dropped")
+    parser.add_argument("--format", default=None, help="safetensors or torch (default: from OUTPUT's suffix)")
     parsed = parser.parse_args(args)
-    source = complete_checkpoint(Path(parsed.checkpoint))
-    if format == "auto":
-        format = "zero" if (source / CHECKPOINT_TAG).is_dir() else "fsdp2" if source.is_dir() else "file"
-    exporters = {
-        "zero": export_zero_checkpoint,
-        "fsdp2": lambda *args, **kwargs: len(export_full_state_dict(*args, **kwargs)),
-        "file": export_single_file,
-    }
+    target = parsed.format or infer_target(parsed.output, default="safetensors")
+    if target not in ("safetensors", "torch"):
+        raise ConfigurationError(f"--format {target!r} is not an export format; valid: ['safetensors', 'torch'].")
+    forced = {"zero": "deepspeed", "fsdp2": "dcp"}
     try:
-        count = exporters[format](parsed.checkpoint, parsed.output, prefix=parsed.prefix)
+        source = forced.get(format) or detect_source(Path(parsed.checkpoint))
+        state = read_model_state(parsed.checkpoint, prefix=parsed.prefix, source=source)
+        write_model_state(state, parsed.output, target)
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
         raise SystemExit(f"error: {error}") from None
-    print(f"wrote {count} tensors to {parsed.output}")
+    print(f"wrote {len(state)} tensors to {parsed.output} ({target})")
+
+
+def convert_command(args: list[str]) -> None:
+    """``lightscale convert IN OUT [--to safetensors|torch|dcp] [--prefix model.]``: a checkpoint of any strategy
+    (DCP or DeepSpeed directory, Lightning .ckpt, torch or safetensors state dict) as another format, offline."""
+    import argparse
+
+    from lightscale.plugins.convert import check_target, convert, infer_target
+
+    parser = argparse.ArgumentParser(prog="lightscale convert", description=convert_command.__doc__)
+    parser.add_argument("input", help="a checkpoint directory or file")
+    parser.add_argument("output", help="where to write (a file for safetensors/torch, a directory for dcp)")
+    parser.add_argument("--to", default=None, help="safetensors, torch or dcp (default: from OUT's suffix)")
+    parser.add_argument("--prefix", default="model.", help="LightningModule attribute holding the model")
+    parsed = parser.parse_args(args)
+    target = parsed.to or infer_target(parsed.output)
+    check_target(target)  # before any work
+    try:
+        convert(parsed.input, parsed.output, target=target, prefix=parsed.prefix)
+    except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
+        raise SystemExit(f"error: {error}") from None
+    print(f"wrote {parsed.output} ({target})")
 
 
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
@@ -176,6 +196,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "doctor": lambda args: doctor_main(args),
     "estimate": lambda args: _estimate_command(args),
     "plan": lambda args: _plan_command(args),
+    "convert": convert_command,
 }
 
 

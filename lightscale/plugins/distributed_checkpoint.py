@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.optim import Optimizer
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.plugins.checkpoint import save_atomically
 from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
@@ -58,10 +60,12 @@ def save_sharded(
     optimizers: list[Optimizer],
     trainer_state: dict[str, Any],
     save_file: Callable[[dict[str, Any], Path], None],
+    *,
+    writer: AsyncCheckpointWriter | None = None,
 ) -> None:
     """Collectively save ``model``/``optimizers`` shards and (rank 0) ``trainer_state`` as directory ``path``."""
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
-    write_checkpoint(path, {"model": model_state, "optimizer": optim_state}, trainer_state, save_file)
+    write_checkpoint(path, {"model": model_state, "optimizer": optim_state}, trainer_state, save_file, writer=writer)
 
 
 def write_checkpoint(
@@ -69,13 +73,21 @@ def write_checkpoint(
     state: dict[str, Any],
     trainer_state: dict[str, Any],
     save_file: Callable[[dict[str, Any], Path], None],
+    *,
+    writer: AsyncCheckpointWriter | None = None,
 ) -> None:
     """Collectively write ``state`` (``{"model": {fqn: tensor}, "optimizer": {...}}``, the layout of
     :func:`save_sharded`) with DCP and (rank 0) ``trainer_state``, published atomically as directory ``path``.
 
     The one writer of the format: any strategy that can express its state in this layout (DTensor shards, or
-    whole tensors that DCP writes once) produces a checkpoint every other strategy loads.
+    whole tensors that DCP writes once) produces a checkpoint every other strategy loads. With ``writer`` (the
+    strategy's ``async_save=True``) it returns once the state is staged in CPU memory and publishes in the
+    background (lightscale/plugins/async_checkpoint.py).
     """
+    if writer is not None:
+        rest = copy.deepcopy(trainer_state) if _rank() == 0 else None  # training goes on mutating loop states
+        writer.save(path, state, None if rest is None else lambda staging: save_file(rest, staging / TRAINER_STATE))
+        return
     tmp = staging_path(path)
     if _rank() == 0:
         start_staging(path)

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
 from lightscale.plugins.checkpoint import SafeCheckpointIO
 from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
 from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
@@ -72,7 +73,12 @@ def _destroy_process_group() -> None:
 
 
 class LightscaleStrategy(ParallelStrategy):
-    """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs)."""
+    """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
+
+    ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
+    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies that save through this class's
+    ``save_checkpoint`` (the portable layout).
+    """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
     # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
@@ -90,6 +96,7 @@ class LightscaleStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -110,6 +117,19 @@ class LightscaleStrategy(ParallelStrategy):
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
+        self.checkpoint_writer = self._async_writer(async_save)
+
+    def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
+        """The background writer of ``async_save=True`` (lightscale/plugins/async_checkpoint.py), or ``None``."""
+        if not async_save:
+            return None
+        if not _saves_portable_layout(type(self)):
+            supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if _saves_portable_layout(cls))
+            raise ConfigurationError(
+                f"async_save=True is not supported by {type(self).__name__}: it does not save through the portable "
+                f"checkpoint writer. Strategies with async_save: {supported}."
+            )
+        return AsyncCheckpointWriter(timeout=self._timeout)
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -332,7 +352,8 @@ class LightscaleStrategy(ParallelStrategy):
         self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
         with self.checkpoint_module() as module:
             rest = self.trainer_state(checkpoint)
-            save_sharded(path, module, self.optimizers, rest, self.checkpoint_io.save_checkpoint)
+            save_file = self.checkpoint_io.save_checkpoint
+            save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
@@ -379,9 +400,20 @@ class LightscaleStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def _saves_portable_layout(cls: type) -> bool:
+    """Whether ``cls`` saves through :meth:`LightscaleStrategy.save_checkpoint` (what ``async_save`` runs in)."""
+    return cls.save_checkpoint is LightscaleStrategy.save_checkpoint
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TINY, train_tiny_gpt
+from safetensors.torch import load_file
 
 from lightscale.cli import main as lightscale_main
 from lightscale.recipes.gpt import GPT
@@ -76,6 +77,11 @@ def test_exported_weights_give_the_same_eval_loss(name: str, corpus_cache: str, 
     loss = eval_loss(model)
     assert abs(loss - sharded_losses[0]) <= TOLERANCE * sharded_losses[0]
     assert loss < untrained - 0.3  # trained weights: the comparison is not between two fresh models
+    # lightscale convert reads the same DeepSpeed directory into the same tensors, as safetensors
+    lightscale_main(["convert", str(checkpoint), str(tmp_path / "gpt.safetensors")])
+    converted = load_file(tmp_path / "gpt.safetensors")
+    assert converted.keys() == model.state_dict().keys()
+    assert all(torch.equal(tensor, converted[key]) for key, tensor in model.state_dict().items())
 
 
 def test_export_of_a_directory_that_is_no_zero_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

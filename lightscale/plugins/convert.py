@@ -1,0 +1,226 @@
+"""Offline conversion between checkpoint formats: any lightscale checkpoint in, one model file or directory out.
+
+Sources (detected from what ``IN`` is):
+
+==============  ==================================================  ==========================================
+source          what it is                                          read with
+==============  ==================================================  ==========================================
+``dcp``         a portable DCP checkpoint directory (``.metadata``)  the restricted unpickler (safe_dcp.py)
+``deepspeed``   a DeepSpeed engine directory (``checkpoint/``)       zero_to_fp32, every load weights-only
+``lightning``   a single-file Lightning ``.ckpt`` (``state_dict``)   ``torch.load(weights_only=True)``
+``torch``       a ``torch.save`` state dict of the plain model       ``torch.load(weights_only=True)``
+``safetensors``  a ``.safetensors`` file of the plain model          safetensors (no pickle at all)
+==============  ==================================================  ==========================================
+
+Targets: ``safetensors`` (one file; tensors that share storage, such as tied embeddings, are stored once per
+name, so ``load_file`` then a strict ``load_state_dict`` works), ``torch`` (a weights-only ``torch.save`` file) and
+``dcp`` (the portable layout's ``model`` part plus a ``trainer_state.pt`` that names no loop state). Every write
+is atomic: a ``.partial`` file or a ``.tmp`` directory beside the target, then a rename.
+
+Keys: Lightning checkpoints hold the LightningModule's keys (``model.transformer.h.0...``); plain files hold the
+single-device model's (``transformer.h.0...``). ``prefix`` (the LightningModule attribute holding the model) is
+stripped when reading Lightning checkpoints (keys without it are dropped) and added back for ``dcp`` output.
+
+Example:
+    >>> convert("runs/last.ckpt", "gpt.safetensors")  # then GPT(config).load_state_dict(load_file(...))
+    'safetensors'
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightscale.errors import ConfigurationError
+from lightscale.plugins.atomic_dir import complete_checkpoint
+from lightscale.plugins.checkpoint import checkpoint_safe_globals, save_atomically
+from lightscale.plugins.safe_dcp import UnsafeCheckpointError
+
+TARGETS = ("safetensors", "torch", "dcp")
+SOURCES = ("dcp", "deepspeed", "lightning", "torch", "safetensors")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+CONVERTED_BY = "lightscale convert"  # the "strategy" recorded in a converted checkpoint's trainer state
+
+
+def infer_target(output: str | os.PathLike, *, default: str = "dcp") -> str:
+    """``.safetensors`` -> safetensors, ``.pt``/``.pth``/``.bin`` -> torch, anything else -> ``default``."""
+    suffix = Path(output).suffix
+    if suffix == ".safetensors":
+        return "safetensors"
+    return "torch" if suffix in TORCH_SUFFIXES else default
+
+
+def check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ConfigurationError(f"--to {target!r} is not a conversion target; valid: {list(TARGETS)}.")
+
+
+def detect_source(path: Path) -> str:
+    """Which of :data:`SOURCES` ``path`` is (files are told apart by their content when loaded)."""
+    from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG
+
+    if path.is_dir():
+        if (path / CHECKPOINT_TAG).is_dir():
+            return "deepspeed"
+        if (path / ".metadata").is_file():
+            return "dcp"
+        raise ConfigurationError(
+            f"{path} is a directory but neither a DCP checkpoint (no .metadata) nor a DeepSpeed engine directory "
+            f"(no {CHECKPOINT_TAG}/); convert reads {list(SOURCES)}."
+        )
+    if not path.is_file():
+        raise ConfigurationError(f"{path} does not exist; convert reads a checkpoint directory or file.")
+    return "safetensors" if path.suffix == ".safetensors" else "torch"
+
+
+def read_model_state(
+    checkpoint: str | os.PathLike, *, prefix: str = "model.", source: str = "auto"
+) -> dict[str, Tensor]:
+    """The full model tensors of any checkpoint, keyed as the single-device model's ``state_dict``.
+
+    Runs in one process, no process group; never runs code from the files (a payload is refused with
+    :class:`~lightscale.plugins.safe_dcp.UnsafeCheckpointError`).
+    """
+    path = complete_checkpoint(Path(checkpoint))
+    source = detect_source(path) if source == "auto" else source
+    if source == "dcp":
+        from lightscale.plugins.distributed_checkpoint import check_checkpoint_dir, full_model_state_dict
+
+        if not (path / ".metadata").is_file():
+            check_checkpoint_dir(path)  # raises, naming what a DCP checkpoint directory holds
+        return full_model_state_dict(path, prefix=prefix)
+    if source == "deepspeed":
+        from lightscale.plugins.zero_checkpoint import consolidate_zero_checkpoint
+
+        return _non_empty(consolidate_zero_checkpoint(path, prefix=prefix), path, prefix)
+    if source == "safetensors":
+        return _read_safetensors(path)
+    return _read_torch_file(path, prefix=prefix)
+
+
+def _non_empty(state: dict[str, Tensor], path: Path, prefix: str) -> dict[str, Tensor]:
+    if not state:
+        raise ConfigurationError(f"No model key of {path} starts with prefix {prefix!r}; pass --prefix '' to keep all.")
+    return state
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ConfigurationError(f"{path} is not a readable .safetensors file: {error}") from None
+
+
+def _read_torch_file(path: Path, *, prefix: str) -> dict[str, Tensor]:
+    """A Lightning ``.ckpt`` (its ``state_dict``, ``prefix`` stripped) or a plain state dict, weights-only."""
+    try:
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise UnsafeCheckpointError(
+            f"Refusing to read {path}: it is not weights-only data (tensors, numbers, strings, containers) and may "
+            f"run code if unpickled. Load it only if you trust it. ({first_line})"
+        ) from None
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):  # a Lightning checkpoint
+        state = loaded["state_dict"]
+        model = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+        if not model:
+            raise ConfigurationError(f"No state_dict key of {path} starts with {prefix!r}; keys: {sorted(state)[:3]}.")
+        return model
+    if not isinstance(loaded, dict) or not all(isinstance(value, Tensor) for value in loaded.values()):
+        raise ConfigurationError(
+            f"{path} holds a {type(loaded).__name__} that is neither a Lightning checkpoint (no 'state_dict') nor a "
+            "state dict of tensors."
+        )
+    return loaded
+
+
+def write_model_state(
+    state: dict[str, Tensor], output: str | os.PathLike, target: str, *, prefix: str = "model."
+) -> None:
+    """Write the single-device ``state`` as ``target`` (one of :data:`TARGETS`) at ``output``, atomically."""
+    check_target(target)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if target == "safetensors":
+        save_safetensors(state, output)
+    elif target == "torch":
+        save_atomically(state, output)
+    else:
+        save_model_dcp(state, output, prefix=prefix)
+
+
+def save_safetensors(state: dict[str, Tensor], output: Path) -> None:
+    """One ``.safetensors`` file that ``load_file`` + ``model.load_state_dict`` (strict) reads back.
+
+    safetensors refuses tensors that share memory; tied weights (the GPT's embedding and head) are therefore
+    stored once per name (a copy each), which is what a strict ``load_state_dict`` of the tied model expects.
+    """
+    from safetensors.torch import save_file
+
+    not_tensors = sorted(key for key, value in state.items() if not isinstance(value, Tensor))
+    if not_tensors:
+        raise ConfigurationError(f"safetensors stores tensors only; these entries are not: {not_tensors[:5]}.")
+    partial = output.with_name(output.name + ".partial")
+    try:
+        save_file(_unshared(state), str(partial), metadata={"format": "pt"})
+        _fsync(partial)
+        os.replace(partial, output)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous tensors, none sharing storage with another (the later names of a shared one get copies)."""
+    seen: set[int] = set()
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if pointer in seen and tensor.numel() else tensor
+        seen.add(pointer)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "model.") -> None:
+    """The portable layout's ``model`` part (LightningModule keys: ``prefix`` added) and a trainer state that
+    records where it came from; written by the one writer of the layout, in one process."""
+    import lightning
+
+    from lightscale.plugins.distributed_checkpoint import write_checkpoint
+
+    model = {prefix + name: tensor.detach().contiguous() for name, tensor in state.items()}
+    trainer_state: dict[str, Any] = {
+        "pytorch-lightning_version": lightning.__version__,
+        "lightscale": {"format": 1, "strategy": CONVERTED_BY, "world_size": 1},
+    }
+    write_checkpoint(output, {"model": model}, trainer_state, lambda data, path: save_atomically(data, Path(path)))
+
+
+def convert(
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, target: str | None = None, prefix: str = "model."
+) -> str:
+    """Read ``checkpoint`` (any of :data:`SOURCES`) and write its model as ``target`` (default: inferred from
+    ``output``'s suffix, see :func:`infer_target`). Returns the target written."""
+    target = target or infer_target(output)
+    check_target(target)
+    write_model_state(read_model_state(checkpoint, prefix=prefix), output, target, prefix=prefix)
+    return target
