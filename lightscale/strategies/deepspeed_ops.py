@@ -1,0 +1,30 @@
+"""Build DeepSpeed's CPU ops ahead of time: ``python -m lightscale.strategies.deepspeed_ops``.
+
+DeepSpeed compiles its CPU Adam (zero*_offload) and async I/O (zero_infinity) ops on first use. Run inside a
+training job, that compile takes minutes on every rank's clock (one rank builds, the others wait on its lock) and
+a job killed mid-build leaves a stale lock behind. ``make venv`` runs this once, into the directory ZeroStrategy
+uses (``TORCH_EXTENSIONS_DIR``, by default ``<venv>/torch_extensions``), like ``DS_BUILD_CPU_ADAM=1`` at install.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def build_cpu_ops() -> list[str]:
+    """Load (compiling if needed) every CPU op this machine can build; returns the names built."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    built = []
+    for builder in (CPUAdamBuilder(), AsyncIOBuilder()):
+        if builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            built.append(builder.name)
+    return built
+
+
+if __name__ == "__main__":
+    print("DeepSpeed CPU ops ready:", ", ".join(build_cpu_ops()) or "none compatible")
