@@ -225,10 +225,15 @@ def check_saved(path: str, saved: State, step: int, *, names: set[str]) -> None:
 
 def check_loaded(loaded: State, saved: State) -> None:
     """Parameters, moments, step counters, parameter groups, the global step and the LR schedulers' state after
-    the load equal those at the save, bitwise."""
-    assert sorted(loaded) == sorted(saved)
-    for key, value in saved.items():
-        assert same(loaded[key], value), key
+    the load equal those at the save, bitwise. Hyper-parameters only one optimizer has (DeepSpeed's CPU Adam keeps
+    ``bias_correction``, torch's AdamW ``foreach``...) are compared where both have them."""
+    only_one = loaded.keys() ^ saved.keys()
+    assert all(key.startswith(_GROUPS) for key in only_one), sorted(only_one)[:8]
+    for key in loaded.keys() & saved.keys():
+        assert same(loaded[key], saved[key]), key
+
+
+_GROUPS = "optimizer.param_groups."
 
 
 def zero_live_state(trainer: pl.Trainer) -> State:
@@ -256,18 +261,8 @@ def zero_live_state(trainer: pl.Trainer) -> State:
     return state
 
 
-def _zero(name: str, **options: Any) -> Member:
+def zero_member(name: str, world_size: int, **options: Any) -> Member:
+    """A ZeRO strategy as a matrix row, named ``<name>@<world_size>``."""
     from lightscale.strategies import ZeroStrategy
 
-    return Member(name, 2, lambda: ZeroStrategy(**options), live_state=zero_live_state)
-
-
-# The ZeRO family, each saving and loading the layout (tests/distributed/test_zero_portable.py runs zero2 -> zero3 ->
-# fsdp2@4 -> zero3_offload); rows for the matrix.
-ZERO_MEMBERS = [
-    _zero("zero1", stage=1),
-    _zero("zero2", stage=2),
-    _zero("zero2_offload", stage=2, offload_optimizer=True),
-    _zero("zero3", stage=3),
-    _zero("zero3_offload", stage=3, offload_optimizer=True, offload_params=True),
-]
+    return Member(f"{name}@{world_size}", world_size, lambda: ZeroStrategy(**options), live_state=zero_live_state)

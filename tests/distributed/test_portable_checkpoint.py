@@ -27,6 +27,7 @@ from checkpoint_matrix import (
     check_saved,
     merge_ranks,
     run_legs,
+    zero_member,
 )
 from helpers import StepLosses, quiet_trainer, relative_difference, train_tiny_gpt
 from torch import nn
@@ -126,14 +127,21 @@ MEMBERS = {
         Member("tp2_pp2@4", 4, lambda: Parallel3DStrategy(tp=2, pp=2, microbatches=2)),
         Member("ep2@2", 2, lambda: Parallel3DStrategy(ep=2)),
         Member("ep2@4", 4, lambda: Parallel3DStrategy(ep=2)),
+        zero_member("zero1", 2, stage=1),
+        zero_member("zero2", 1, stage=2),
+        zero_member("zero2", 2, stage=2),
+        zero_member("zero3", 2, stage=3),
+        zero_member("zero3", 4, stage=3),
+        zero_member("zero3_offload", 2, stage=3, offload_optimizer=True, offload_params=True),
     ]
 }
 CANONICAL = "fsdp2@2"
 CHAIN = ["bucketed_ddp@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
 LOADERS = [  # load the canonical one
     *("bucketed_ddp@2", "tp2@2", "pp2@2"),
-    *("fsdp2@1", "parallel_3d@1"),  # and bucketed_ddp@1, the chain's first link
-    *("bucketed_ddp@4", "hsdp@4", "tp2@4", "pp2@4"),
+    *("zero1@2", "zero2@2", "zero3@2", "zero3_offload@2"),
+    *("fsdp2@1", "parallel_3d@1", "zero2@1"),  # and bucketed_ddp@1, the chain's first link
+    *("bucketed_ddp@4", "hsdp@4", "tp2@4", "pp2@4", "zero3@4"),
 ]
 # Expert parallelism needs a MoE model: its own canonical run and chain, experts split 2 -> whole -> 2 of 4 ranks.
 MOE = dataclasses.replace(CONFIG, moe=MoEConfig(n_experts=4, top_k=2, balance="bias"))
