@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 venv: $(STAMP)
 
 # torch is pinned first so nothing pulls a CUDA build on a CPU machine (a GPU machine gets the default CUDA
-# build of the same version); DeepSpeed builds from source against it, its ops JIT-compiled on first use.
+# build of the same version); DeepSpeed builds from source against it, its CPU ops (CPU Adam, async I/O) built once below.
 $(STAMP): pyproject.toml
 	@# libaio lets DeepSpeed build its async I/O op (zero_infinity); installed only where we may (root + apt).
 	@if [ ! -e /usr/include/libaio.h ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -1,7 +1,8 @@
 """Is a checkpoint directory shared by every node? Asked once per directory, before anything is written to it.
 
-lightscale's checkpoints are written by ranks on every node (DCP shards, DeepSpeed partitions) and published by
-global rank 0 (the staging rename, the metadata, a single-file checkpoint). On a directory each node has its own
+lightscale's checkpoints are written by ranks on every node (DCP shards of every strategy, or DeepSpeed's
+partitions with ``checkpoint_format="deepspeed"``) and published by global rank 0 (the staging rename,
+``trainer_state.pt``). On a directory each node has its own
 copy of (a node-local disk under the same path), node 1's shards would sit where no loader finds them and node
 1's resume would find no checkpoint at all, or an older one. Nothing in Lightning notices.
 
