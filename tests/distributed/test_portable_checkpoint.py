@@ -2,7 +2,7 @@
 
 The rows below are the matrix (tests/checkpoint_matrix.py explains the legs). A canonical GPT run (fsdp2 on 2 ranks)
 trains ``END`` steps and saves at ``FIRST``; the other members load it, train ``LEG`` steps and save; a chain of
-true cross pairs carries one run fsdp2@2 -> bucketed_ddp@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. A MoE
+true cross pairs carries one run fsdp2@2 -> zero2@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. A MoE
 GPT (expert parallelism) and a user's model have their own canonical run and chain. Launches go by world size
 2 -> 1 -> 4, so each chain may only climb that order. All losses after a load must equal the uninterrupted run's.
 """
@@ -136,11 +136,11 @@ MEMBERS = {
     ]
 }
 CANONICAL = "fsdp2@2"
-CHAIN = ["bucketed_ddp@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
+CHAIN = ["zero2@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
 LOADERS = [  # load the canonical one
     *("bucketed_ddp@2", "tp2@2", "pp2@2"),
     *("zero1@2", "zero2@2", "zero3@2", "zero3_offload@2"),
-    *("fsdp2@1", "parallel_3d@1", "zero2@1"),  # and bucketed_ddp@1, the chain's first link
+    *("fsdp2@1", "parallel_3d@1", "bucketed_ddp@1"),  # and zero2@1, the chain's first link
     *("bucketed_ddp@4", "hsdp@4", "tp2@4", "pp2@4", "zero3@4"),
 ]
 # Expert parallelism needs a MoE model: its own canonical run and chain, experts split 2 -> whole -> 2 of 4 ranks.
@@ -149,7 +149,7 @@ MOE_CANONICAL, MOE_CHAIN = "ep2@2", ["fsdp2@1", "ep2@4"]
 
 
 # A model lightscale did not write (below): data-parallel members only (it has no TP plan or pipeline split).
-USER_CANONICAL, USER_CHAIN = "bucketed_ddp@2", ["fsdp2@2", "bucketed_ddp@1", "hsdp@4"]
+USER_CANONICAL, USER_CHAIN = "bucketed_ddp@2", ["zero2@2", "bucketed_ddp@1", "hsdp@4"]
 
 
 def _canonical(root: Path, name: str, workload: Workload, tag: str) -> Leg:
@@ -207,6 +207,7 @@ def test_every_load_restores_the_saved_state_bitwise(matrix: list[tuple[Leg, Leg
 
 def test_losses_after_every_load_equal_the_uninterrupted_run(matrix: list[tuple[Leg, LegResult]]) -> None:
     by_checkpoint = {leg.save: (leg, result) for leg, result in matrix}
+    worst: dict[str, float] = {}
     for leg, result in matrix:
         root = leg
         while root.load is not None:  # the run this leg continues: the canonical one its chain started from
@@ -216,7 +217,9 @@ def test_losses_after_every_load_equal_the_uninterrupted_run(matrix: list[tuple[
             assert len(uninterrupted) == END
             continue
         start = leg.until - LEG
-        assert relative_difference(result.losses, uninterrupted[start : leg.until]) <= TOLERANCE, leg.member.name
+        worst[leg.save] = relative_difference(result.losses, uninterrupted[start : leg.until])
+        assert worst[leg.save] <= TOLERANCE, leg.member.name
+    print(f"{len(worst)} loads; largest relative loss difference {max(worst.values()):.2g}")  # docs/benchmarks.md
 
 
 def _from_a_single_file(cache_dir: str, checkpoint: str) -> tuple[int, list[str]]:
