@@ -2,7 +2,7 @@
 
 The rows below are the matrix (tests/checkpoint_matrix.py explains the legs). A canonical GPT run (fsdp2 on 2 ranks)
 trains ``END`` steps and saves at ``FIRST``; the other members load it, train ``LEG`` steps and save; a chain of
-true cross pairs carries one run fsdp2@2 -> zero2@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. A MoE
+true cross pairs carries one run fsdp2@2 -> zero3@1 -> parallel_3d tp2 x pp2@4 -> fsdp2@4 to ``END``. A MoE
 GPT (expert parallelism) and a user's model have their own canonical run and chain. Launches go by world size
 2 -> 1 -> 4, so each chain may only climb that order. All losses after a load must equal the uninterrupted run's.
 """
@@ -129,6 +129,7 @@ MEMBERS = {
         Member("ep2@4", 4, lambda: Parallel3DStrategy(ep=2)),
         zero_member("zero1", 2, stage=1),
         zero_member("zero2", 1, stage=2),
+        zero_member("zero3", 1, stage=3),
         zero_member("zero2", 2, stage=2),
         zero_member("zero3", 2, stage=3),
         zero_member("zero3", 4, stage=3),
@@ -136,11 +137,11 @@ MEMBERS = {
     ]
 }
 CANONICAL = "fsdp2@2"
-CHAIN = ["zero2@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
+CHAIN = ["zero3@1", "tp2_pp2@4", "fsdp2@4"]  # after the canonical saver
 LOADERS = [  # load the canonical one
     *("bucketed_ddp@2", "tp2@2", "pp2@2"),
     *("zero1@2", "zero2@2", "zero3@2", "zero3_offload@2"),
-    *("fsdp2@1", "parallel_3d@1", "bucketed_ddp@1"),  # and zero2@1, the chain's first link
+    *("fsdp2@1", "parallel_3d@1", "bucketed_ddp@1", "zero2@1"),  # and zero3@1, the chain's first link
     *("bucketed_ddp@4", "hsdp@4", "tp2@4", "pp2@4", "zero3@4"),
 ]
 # Expert parallelism needs a MoE model: its own canonical run and chain, experts split 2 -> whole -> 2 of 4 ranks.
