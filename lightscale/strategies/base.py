@@ -371,10 +371,16 @@ class LightscaleStrategy(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         with self.checkpoint_module() as module:
             read = load_sharded(path, module, self.optimizers if fitting else [])
-        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-        if fitting:  # set at the first batch: creating the data iterator after this load draws from torch's RNG
-            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+        meta = self.read_trainer_state(read, fitting=fitting)
         return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
+        """``trainer_state.pt`` of a layout directory (weights-only); when fitting, its random states are kept for
+        the first batch: creating the data iterator after the load draws from torch's RNG."""
+        meta = self.checkpoint_io.load_checkpoint(checkpoint_dir / TRAINER_STATE)
+        if fitting:
+            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+        return meta
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

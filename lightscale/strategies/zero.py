@@ -27,7 +27,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, write_checkpoint
+from lightscale.plugins.distributed_checkpoint import write_checkpoint
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.plugins.shape_check import check_shapes
 from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
@@ -328,10 +328,7 @@ class ZeroStrategy(LightscaleStrategy):
         if (path / CHECKPOINT_TAG).is_dir():
             return self._load_engine_directory(path, fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
-        meta = self.checkpoint_io.load_checkpoint(read / TRAINER_STATE)
-        if fitting:  # set back at the first batch, as every strategy does (LightscaleStrategy.on_train_batch_start)
-            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
-        return meta
+        return self.read_trainer_state(read, fitting=fitting)
 
     def _load_engine_directory(self, path: Path, fitting: bool) -> dict[str, Any]:
         optimizer = self.engine.optimizer
