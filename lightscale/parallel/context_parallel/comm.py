@@ -28,6 +28,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+# torch 2.13 deprecates the *_tensor names; older torch has only them.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Pending:
     """Point-to-point requests started by :func:`ring_shift` and not yet waited for."""
@@ -81,7 +85,7 @@ class _AllGather(torch.autograd.Function):
         size = dist.get_world_size(group)
         moved = x.movedim(dim, 0).contiguous()
         out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-        dist.all_gather_into_tensor(out, moved, group=group)
+        _ALL_GATHER(out, moved, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -89,7 +93,7 @@ class _AllGather(torch.autograd.Function):
         size = dist.get_world_size(ctx.group)
         moved = grad.movedim(ctx.dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        dist.reduce_scatter_tensor(out, moved, group=ctx.group)
+        _REDUCE_SCATTER(out, moved, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 
