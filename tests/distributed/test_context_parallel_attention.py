@@ -30,25 +30,34 @@ def _relative(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _attention_errors(mode: str, causal: bool, *, gathered_layout: str = "zigzag") -> list[float]:
-    """Relative error of the output and dq, dk, dv of one attention call against the full sequence."""
+def _attention_errors(
+    mode: str, causal: bool, *, layout: str = "zigzag", gathered_layout: str | None = None, gqa: bool = False
+) -> list[float]:
+    """Relative error of the output and dq, dk, dv of one attention call against the full sequence.
+
+    ``gqa``: half as many key/value heads as query heads, and a non-default scale.
+    """
     cp, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    q, k, v = (torch.randn(SHAPE, requires_grad=True) for _ in range(3))
+    kv_shape = (SHAPE[0], SHAPE[1] // 2, *SHAPE[2:]) if gqa else SHAPE
+    q, k, v = (torch.randn(shape, requires_grad=True) for shape in (SHAPE, kv_shape, kv_shape))
     grad = torch.randn(SHAPE)
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    options = dict(is_causal=causal, enable_gqa=gqa, scale=0.3 if gqa else None)
+    reference = F.scaled_dot_product_attention(q, k, v, **options)
     (reference * grad).sum().backward()
-    local = [shard_sequence(t.detach(), cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    with ContextParallelAttention(mode=mode):
-        out = F.scaled_dot_product_attention(*local, is_causal=causal)
-    (out * shard_sequence(grad, cp, rank, dim=2)).sum().backward()
+    local = [shard_sequence(t.detach(), cp, rank, dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
+    with ContextParallelAttention(mode=mode, layout=layout):
+        out = F.scaled_dot_product_attention(*local, **options)
+    (out * shard_sequence(grad, cp, rank, dim=2, layout=layout)).sum().backward()
     ours = [out.detach(), *(t.grad for t in local)]
-    full = [gather_sequence(t, dim=2, layout=gathered_layout) for t in ours]
+    full = [gather_sequence(t, dim=2, layout=gathered_layout or layout) for t in ours]
     return [_relative(a, b) for a, b in zip(full, [reference, q.grad, k.grad, v.grad], strict=True)]
 
 
-def _every_mode() -> dict[tuple[str, bool], list[float]]:
-    return {(mode, causal): _attention_errors(mode, causal) for mode in MODES for causal in (True, False)}
+def _every_mode() -> dict[tuple[str, bool, bool], list[float]]:
+    cases = [(mode, causal, False) for mode in MODES for causal in (True, False)]
+    cases += [(mode, True, True) for mode in MODES]
+    return {(mode, causal, gqa): _attention_errors(mode, causal, gqa=gqa) for mode, causal, gqa in cases}
 
 
 def test_attention_and_gradients_match_full_sequence_cp2() -> None:
@@ -56,8 +65,13 @@ def test_attention_and_gradients_match_full_sequence_cp2() -> None:
     assert max(max(e) for e in errors.values()) < BOUND, errors
 
 
+def _ring_both_layouts() -> list[float]:
+    # Contiguous: rank 0 relays blocks it never attends to; their gradient hops must still run.
+    return _attention_errors("ring", True) + _attention_errors("ring", True, layout="contiguous")
+
+
 def test_attention_and_gradients_match_full_sequence_cp4() -> None:
-    errors = run_distributed(_attention_errors, "ring", True, world_size=4)[0]
+    errors = run_distributed(_ring_both_layouts, world_size=4)[0]
     assert max(errors) < BOUND, errors
 
 
