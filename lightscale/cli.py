@@ -4,7 +4,7 @@ estimate, plan, doctor, convert.
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
 
-``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.plugins.resume``).
+``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.resume``).
 
 Example:
     $ lightscale fit --config gpt/tiny_ddp.yaml --trainer.max_steps 20
@@ -144,7 +144,7 @@ def export(args: list[str], *, format: str = "auto") -> None:
     """
     import argparse
 
-    from lightscale.plugins.convert import detect_source, infer_target, read_model_state, write_model_state
+    from lightscale.checkpoint.convert import detect_source, infer_target, read_model_state, write_model_state
 
     parser = argparse.ArgumentParser(prog="lightscale export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
@@ -170,7 +170,7 @@ def convert_command(args: list[str]) -> None:
     (DCP or DeepSpeed directory, Lightning .ckpt, torch or safetensors state dict) as another format, offline."""
     import argparse
 
-    from lightscale.plugins.convert import check_target, convert, infer_target
+    from lightscale.checkpoint.convert import check_target, convert, infer_target
 
     parser = argparse.ArgumentParser(prog="lightscale convert", description=convert_command.__doc__)
     parser.add_argument("input", help="a checkpoint directory or file")

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
-from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.checkpoint.layout import TRAINER_STATE
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.recipes.gpt import GPT, GPTConfig
 
 # Untied embeddings and 2 blocks: every pipeline split of the GPT recipe is possible (tied weights cannot span stages).
@@ -241,7 +241,7 @@ def zero_live_state(trainer: pl.Trainer) -> State:
     ``safe_get_full_*`` calls, the optimizer step and each group's hyper-parameters, keyed like the layout."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from lightscale.plugins.zero_portable import materialize_optimizer_state, optimizer_step
+    from lightscale.checkpoint.zero_portable import materialize_optimizer_state, optimizer_step
 
     strategy = trainer.strategy
     zero = strategy.engine.optimizer

@@ -1,4 +1,4 @@
-"""ZeRO state in the one portable checkpoint layout (lightscale/plugins/distributed_checkpoint.py), both ways.
+"""ZeRO state in the one portable checkpoint layout (lightscale/checkpoint/layout.py), both ways.
 
 Save: each parameter's full fp32 master weight and Adam moments are gathered with DeepSpeed's public
 ``safe_get_full_*`` calls (collective: every rank takes part in every gather), but only the parameter's *owner*
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.plugins.distributed_checkpoint import read_checkpoint
+from lightscale.checkpoint.layout import read_checkpoint
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LOAD_BATCH_NUMEL = 1 << 26  # elements of parameters read per batch at load (x3 with both moments, fp32)

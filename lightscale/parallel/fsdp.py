@@ -135,7 +135,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 # ---- materialization from the meta device ----------------------------------------------------------------
-def rng_states() -> dict[str, torch.Tensor]:
+def torch_generator_states() -> dict[str, torch.Tensor]:
     """The CPU (and, if present, current CUDA) generator states, to replay initialization later."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -143,7 +143,7 @@ def rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
-def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+def _set_torch_generator_states(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
@@ -158,7 +158,7 @@ def materialize_meta_module(
     Every module with ``reset_parameters`` (in ``modules()`` order = construction order) draws its own
     parameters into full-size temporaries on every rank, with the same RNG; each rank keeps its slice. A
     parameter shared with an earlier module (tied weights) keeps the earlier draw, as the constructor does.
-    ``rng_state`` (from :func:`rng_states`) is taken just before the model was built on the meta device.
+    ``rng_state`` (from :func:`torch_generator_states`) is taken just before the model was built on the meta device.
     """
     _check_materializable(model)
     kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
@@ -168,7 +168,7 @@ def materialize_meta_module(
         if callable(getattr(module, "reset_buffers", None)):
             module.reset_buffers()
     if rng_state is not None:
-        _set_rng_states(rng_state)
+        _set_torch_generator_states(rng_state)
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         already = own and all(id(p) in done for p in own)  # built for real: its draws preceded the snapshot

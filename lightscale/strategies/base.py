@@ -3,7 +3,7 @@
 What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
 parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
 plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
-(lightscale/plugins/distributed_checkpoint.py: any strategy's, at any world size), and teardown.
+(lightscale/checkpoint/layout.py: any strategy's, at any world size), and teardown.
 
 What a subclass supplies:
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -45,13 +45,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightscale.checkpoint.async_save import AsyncCheckpointWriter
+from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.rng import restore_rng_states
+from lightscale.checkpoint.safe_io import SafeCheckpointIO
+from lightscale.checkpoint.shape_check import check_state_dict_shapes
+from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
-from lightscale.plugins.checkpoint import SafeCheckpointIO
-from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
-from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
-from lightscale.plugins.shape_check import check_shapes, tensor_shapes
-from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
@@ -76,7 +76,7 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
-    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies that save through this class's
+    CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
     ``save_checkpoint`` (the portable layout).
     """
 
@@ -120,7 +120,7 @@ class LightscaleStrategy(ParallelStrategy):
         self.checkpoint_writer = self._async_writer(async_save)
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
-        """The background writer of ``async_save=True`` (lightscale/plugins/async_checkpoint.py), or ``None``."""
+        """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
         if not async_save:
             return None
         if not _saves_portable_layout(type(self)):
@@ -289,7 +289,7 @@ class LightscaleStrategy(ParallelStrategy):
 
     def check_checkpoint_dir(self, directory: str | Path) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
-        runs only; see lightscale/plugins/shared_dir.py). Each rank probes the path it resolved itself: the same
+        runs only; see lightscale/checkpoint/shared_dir.py). Each rank probes the path it resolved itself: the same
         string naming different directories on different nodes is exactly the case to catch."""
         if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
             return
@@ -333,7 +333,11 @@ class LightscaleStrategy(ParallelStrategy):
                 where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
 
-    # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
+    # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) ------------------------
+    # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
+    # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
+    weights_settable_after_setup: ClassVar[bool] = True
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -357,9 +361,7 @@ class LightscaleStrategy(ParallelStrategy):
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
-        rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-        writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
-        return {**rest, "lightscale": {**writer, "rng": gather_rng_states()}}
+        return trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -379,7 +381,7 @@ class LightscaleStrategy(ParallelStrategy):
         the first batch: creating the data iterator after the load draws from torch's RNG."""
         meta = self.checkpoint_io.load_checkpoint(checkpoint_dir / TRAINER_STATE)
         if fitting:
-            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+            self._saved_rng_states = saved_rng_states(meta)
         return meta
 
     @override
@@ -393,8 +395,9 @@ class LightscaleStrategy(ParallelStrategy):
         """A single file (the layout was loaded in load_checkpoint); a differently shaped model's is refused naming
         the keys and shapes."""
         if "state_dict" in checkpoint:
-            model = tensor_shapes(self.lightning_module.state_dict())
-            check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
+            check_state_dict_shapes(
+                checkpoint["state_dict"], self.lightning_module.state_dict(), "the checkpoint (ckpt_path)"
+            )
             super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------

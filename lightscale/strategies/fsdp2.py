@@ -12,7 +12,7 @@ name               what is sharded                                              
 The model is built on the meta device in ``configure_model`` and materialized shard by shard after
 sharding (values equal single-device init with the same seed); then activation checkpointing, optional
 per-block compile and ``fully_shard`` are applied from outside (lightscale/parallel/). Checkpoints are
-DCP directories (lightscale/plugins/distributed_checkpoint.py) that load on any number of ranks.
+DCP directories (lightscale/checkpoint/layout.py) that load on any number of ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
-from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, set_gradient_sync, torch_generator_states
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
@@ -136,7 +136,7 @@ class FSDP2Strategy(LightscaleStrategy):
         if not self.meta_init:
             yield
             return
-        self._rng_state = rng_states()  # materialization replays init from here
+        self._rng_state = torch_generator_states()  # materialization replays init from here
         with torch.device("meta"):
             yield
 

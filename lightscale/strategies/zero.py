@@ -23,15 +23,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
+from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.deepspeed_dir import (
+    CHECKPOINT_TAG,
+    load_engine_directory,
+    safe_checkpoint_engine,
+    save_engine_directory,
+)
+from lightscale.checkpoint.layout import lightning_rest, trainer_state_of, write_checkpoint
+from lightscale.checkpoint.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
-from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.distributed_checkpoint import write_checkpoint
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
-from lightscale.plugins.shape_check import check_shapes
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
-from lightscale.plugins.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
 from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
@@ -54,7 +58,7 @@ class ZeroStrategy(LightscaleStrategy):
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
-            number of ranks (lightscale/plugins/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            number of ranks (lightscale/checkpoint/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
             directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
@@ -268,6 +272,8 @@ class ZeroStrategy(LightscaleStrategy):
         pass  # the engine places (or offloads) parameters itself
 
     # ---- checkpoints ------------------------------------------------------------------------------------
+    weights_settable_after_setup = False  # the engine builds its fp32 masters from the weights at setup
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the engine's state is saved by save_checkpoint; nothing is gathered here
@@ -282,11 +288,9 @@ class ZeroStrategy(LightscaleStrategy):
         target = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
-            client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            self._save_engine_directory(target, client_state)
+            save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
-        rest = self.trainer_state(checkpoint)
-        rest["lightscale"]["strategy"] = self._name()
+        rest = trainer_state_of(checkpoint, strategy=self._name(), world_size=self.world_size)
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
 
@@ -309,41 +313,15 @@ class ZeroStrategy(LightscaleStrategy):
                 return name
         return type(self).__name__
 
-    def _save_engine_directory(self, target: Path, client_state: dict[str, Any]) -> None:
-        # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
-        if self.is_global_zero:
-            start_staging(target)
-        self.barrier()
-        self.engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
-        self.barrier()
-        if self.is_global_zero:
-            publish(staging_path(target), target)
-        self.barrier()
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = complete_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if (path / CHECKPOINT_TAG).is_dir():
-            return self._load_engine_directory(path, fitting)
+            return load_engine_directory(self.engine, path, fitting=fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
         return self.read_trainer_state(read, fitting=fitting)
-
-    def _load_engine_directory(self, path: Path, fitting: bool) -> dict[str, Any]:
-        optimizer = self.engine.optimizer
-        if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
-            # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
-            # from the loaded weights, but DeepSpeed calls the refresh anyway.
-            optimizer._restore_from_bit16_weights = lambda: None
-        model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()}
-        check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
-        _, client_state = self.engine.load_checkpoint(
-            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
-        )
-        if client_state is None:
-            raise ConfigurationError(f"{path} is not a checkpoint directory saved by a ZeRO strategy.")
-        return client_state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

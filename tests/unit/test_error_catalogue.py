@@ -180,11 +180,11 @@ def _not_writable():
 
 
 def _export_wrong_prefix():
-    from lightscale.plugins.checkpoint import export_single_file
+    from lightscale.checkpoint.convert import convert
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.save({"state_dict": {"net.weight": torch.zeros(1)}}, Path(tmp) / "a.ckpt")
-        export_single_file(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
+        convert(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
 
 
 def _forward_too_long():
@@ -229,7 +229,7 @@ def _zero_fit(**trainer_kwargs):
 
 
 def _other_shape_checkpoint():
-    from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+    from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
     from lightscale.recipes.gpt import GPT
 
     saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
