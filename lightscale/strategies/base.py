@@ -333,7 +333,7 @@ class LightscaleStrategy(ParallelStrategy):
                 where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
 
-    # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) ------------------------
+    # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) --------------------------------
     # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
     # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
     weights_settable_after_setup: ClassVar[bool] = True
@@ -360,7 +360,8 @@ class LightscaleStrategy(ParallelStrategy):
             save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
+        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
+        holding every rank's random state (collective)."""
         return trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
 
     @override
