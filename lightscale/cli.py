@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
+from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.registry import strategy_table
@@ -194,22 +195,10 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export-fsdp2": partial(export, format="fsdp2"),
     "schedule": lambda args: draw_schedule_command(args),
     "doctor": lambda args: doctor_main(args),
-    "estimate": lambda args: _estimate_command(args),
-    "plan": lambda args: _plan_command(args),
+    "estimate": lambda args: estimate_command(resolve_config_args(args)),
+    "plan": lambda args: plan_command(resolve_config_args(args)),
     "convert": convert_command,
 }
-
-
-def _plan_command(args: list[str]) -> None:
-    from lightscale.estimate.plan import plan_command
-
-    plan_command(args)
-
-
-def _estimate_command(args: list[str]) -> None:
-    from lightscale.estimate.report import estimate_command
-
-    estimate_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:
