@@ -24,6 +24,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
+from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
 
@@ -98,9 +100,6 @@ def print_strategies() -> None:
 def draw_schedule_command(argv: list[str]) -> None:
     """``lightscale schedule NAME --pp P --microbatches M [--stages-per-rank S] [--out FILE.png]``."""
     import argparse
-
-    from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
-    from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
 
     parser = argparse.ArgumentParser(prog="lightscale schedule", description="Draw a pipeline schedule to PNG.")
     parser.add_argument("name", choices=list(SCHEDULES))
