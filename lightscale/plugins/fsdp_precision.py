@@ -31,17 +31,16 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fsdp import clip_grad_norm_
-from lightscale.plugins.precision_contract import DTYPES
+from lightscale.plugins.precision_contract import DTYPES, PRECISIONS, normalize_precision
 
 
 def precision_name(plugin: Precision) -> str:
     """The precision name a Lightning plugin stands for (``32-true`` for the plain plugin)."""
-    name = str(getattr(plugin, "precision", "32-true"))
-    name = "32-true" if name == "32" else name
-    if name not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+    name = normalize_precision(getattr(plugin, "precision", "32-true"))
+    if name not in PRECISIONS:
         raise ConfigurationError(
-            f"precision={name!r} is not supported by lightscale's strategies; choose 32-true, bf16-mixed, 16-mixed or "
-            "bf16-true."
+            f"precision={name!r} is not supported by lightscale's strategies; choose {', '.join(PRECISIONS[:-1])} or "
+            f"{PRECISIONS[-1]}."
         )
     return name
 

@@ -11,8 +11,11 @@ What a subclass supplies:
     * optionally, taking over the step: ``backward`` (a pipeline schedule runs forward+backward of every
       microbatch there, because Lightning calls ``zero_grad`` between ``training_step`` and ``backward``)
       and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
-    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry``.
-See docs/architecture.md for the call path of one training step.
+    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry`` (and lightscale's list of classes)
+      when the class is defined, also in a user's own file;
+    * ``precision_family`` - its column of the precision contract; ``plannable`` - which names ``fit_memory`` /
+      ``lightscale plan`` may choose; ``memory_layout(world_size)`` - how it holds the model, for the estimator.
+See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -52,6 +56,9 @@ from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
 from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
+from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
@@ -59,6 +66,8 @@ from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
+# Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
+REGISTERED: list[type[LightscaleStrategy]] = []
 
 # A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
 # and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten
@@ -81,10 +90,31 @@ class LightscaleStrategy(ParallelStrategy):
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    precision_family: ClassVar[Family | None] = None  # its column of the precision contract (precision_contract.py)
+    plannable: ClassVar[tuple[Plannable, ...]] = ()  # names the planner may choose (lightscale/estimate/plan.py)
     # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
     # unsharded model; sharded strategies read the layout alone.
     reads_single_files: ClassVar[bool] = True
-    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("aliases"):
+            if cls.precision_family is not None:
+                check_family(cls.precision_family)
+            own = set(cls.__dict__["aliases"])
+            REGISTERED[:] = [known for known in REGISTERED if not own & set(known.__dict__["aliases"])]
+            REGISTERED.append(cls)
+            cls.register_strategies(StrategyRegistry)
+
+    def memory_layout(self, world_size: int) -> Layout:
+        """How one rank holds the model on ``world_size`` ranks (lightscale/estimate/layout.py); each family says."""
+        described = [
+            known.__name__ for known in REGISTERED if known.memory_layout is not LightscaleStrategy.memory_layout
+        ]
+        raise ConfigurationError(
+            f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
+        )
 
     def __init__(
         self,
@@ -405,7 +435,7 @@ class LightscaleStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (description, init_params) in cls.aliases.items():
+        for name, (description, init_params) in cls.__dict__.get("aliases", {}).items():  # not the parent's
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     @override

@@ -31,6 +31,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
@@ -79,6 +81,36 @@ class FSDP2Strategy(LightscaleStrategy):
         ),
         "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
     }
+    plannable = (
+        Plannable("fsdp2", "3Ψ", "+ parameters sharded, re-gathered in backward"),
+        Plannable(
+            "fsdp2", "3Ψ", "+ activations recomputed per block (a second forward)", activation_checkpointing="full"
+        ),
+        Plannable(
+            "fsdp2_offload",
+            "3Ψ + host",
+            "+ states in host memory (the optimizer steps on the CPU)",
+            activation_checkpointing="full",
+        ),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Every state sharded over ``dp_shard`` ranks (replicated over ``dp_replicate`` groups), offload to host."""
+        dims = self.parallel_dims(world_size)
+        return Layout(
+            type(self).__name__,
+            world_size,
+            shard_optimizer=True,
+            shard_gradients=True,
+            shard_parameters=True,
+            dp_shard=dims.dp_shard,
+            dp_replicate=dims.dp_replicate,
+            offload_optimizer=self.offload,
+            offload_parameters=self.offload,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
     reads_single_files = False
 
     def __init__(
@@ -145,7 +177,7 @@ class FSDP2Strategy(LightscaleStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         name = precision_name(self.precision_plugin)
-        enforce_contract("fsdp2", name, device_type=self.root_device.type, compression=self.compression)
+        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
         self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
         self.precision_plugin.convert_module(self.model)
         self.model = self.apply_parallelism(self.model)

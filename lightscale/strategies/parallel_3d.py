@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import (
     check_hooks,
@@ -103,6 +105,41 @@ class Parallel3DStrategy(LightscaleStrategy):
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
         "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
+    plannable = (
+        Plannable(
+            "tp2",
+            "3Ψ/2 + 4bsh/layer",
+            "+ tensor parallel over 2 ranks (layers split)",
+            activation_checkpointing="full",
+            tp=2,
+        ),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Dense states sharded by FSDP2 over dp_shard x ep, layers split over tp, stages over pp."""
+        dims = self.parallel_dims(world_size)
+        dense_shard = dims.dp_shard * dims.ep  # FSDP2 shards the dense part over the ep ranks too
+        sharded = dense_shard > 1
+        return Layout(
+            type(self).__name__,
+            world_size,
+            shard_optimizer=sharded,
+            shard_gradients=sharded,
+            shard_parameters=sharded,
+            dp_shard=dense_shard,
+            dp_replicate=dims.dp_replicate,
+            tp=dims.tp,
+            pp=dims.pp,
+            ep=dims.ep,
+            stages_per_rank=self.stages_per_rank if dims.pp > 1 else 1,
+            microbatches=self.microbatches,
+            v_shape=self.schedule == "zbv",
+            activation_checkpointing=self.activation_checkpointing,
+            sequence_parallel=self.sequence_parallel and dims.tp > 1,
+            loss_parallel=self.loss_parallel and dims.tp > 1,
+        )
+
     reads_single_files = False
 
     def __init__(
@@ -371,7 +408,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         name = precision_name(self.precision_plugin)
-        enforce_contract("parallel_3d", name, device_type=self.root_device.type, compression=self.compression)
+        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
         if self.compression != "none" and self.dims.data_shards == 1:
             rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = 1, no gradient is reduced.")
         if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2

@@ -30,9 +30,11 @@ from lightscale.checkpoint.deepspeed_dir import (
     safe_checkpoint_engine,
     save_engine_directory,
 )
-from lightscale.checkpoint.layout import lightning_rest, trainer_state_of, write_checkpoint
+from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
 from lightscale.checkpoint.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
@@ -82,6 +84,29 @@ class ZeroStrategy(LightscaleStrategy):
             {"stage": 3, "offload_optimizer": True, "offload_params": True, "nvme_path": "auto"},
         ),
     }
+    plannable = (
+        Plannable("zero1", "2Ψ", "optimizer state sharded"),
+        Plannable("zero2", "2Ψ", "+ gradients sharded"),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Stage 1 shards optimizer state, 2 gradients too, 3 parameters too; offload moves them to the host."""
+        stage = self.options.stage
+        zero = self.user_config.get("zero_optimization", {})
+        threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+        return Layout(
+            type(self).__name__,
+            world_size,
+            engine="deepspeed",
+            shard_optimizer=True,
+            shard_gradients=stage >= 2,
+            shard_parameters=stage == 3,
+            dp_shard=world_size,
+            offload_optimizer=self.options.offload_optimizer,
+            offload_parameters=self.options.offload_params,
+            persistence_threshold=threshold if stage == 3 else 0,
+        )
 
     def __init__(
         self,
@@ -290,28 +315,9 @@ class ZeroStrategy(LightscaleStrategy):
         if self.checkpoint_format == "deepspeed":
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
-        rest = trainer_state_of(checkpoint, strategy=self._name(), world_size=self.world_size)
+        rest = self.trainer_state(checkpoint)
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
-
-    def _name(self) -> str:
-        """The registered name these options match (recorded in the checkpoint), else the class name."""
-        options = self.options
-        wanted = (
-            options.stage,
-            options.offload_optimizer,
-            options.offload_params,
-            self._nvme_auto or bool(options.nvme_path),
-        )
-        for name, (_, params) in self.aliases.items():
-            offloads = (
-                params.get("offload_optimizer", False),
-                params.get("offload_params", False),
-                "nvme_path" in params,
-            )
-            if (params["stage"], *offloads) == wanted:
-                return name
-        return type(self).__name__
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
