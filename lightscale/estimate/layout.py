@@ -16,7 +16,7 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies.mesh import ParallelDims
+from lightscale.parallel.mesh import ParallelDims
 
 Engine = Literal["torch", "deepspeed"]
 # DeepSpeed keeps whole (on every rank, beside the partition) each ZeRO-3 parameter this small.

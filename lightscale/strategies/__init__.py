@@ -1,10 +1,10 @@
 """Parallelism strategies; each registers its names in Lightning's ``StrategyRegistry``."""
 
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
-from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
 from lightscale.strategies.zero import ZeroStrategy
