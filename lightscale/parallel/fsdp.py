@@ -245,19 +245,3 @@ def _copy_local_slice(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
-
-
-# ---- gradient clipping over shards -----------------------------------------------------------------------
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by the norm of the *full* gradient (all shards of all parameters); return that norm.
-
-    With DTensor gradients the per-tensor norms are partial (one shard each); ``full_tensor()`` reduces them
-    across the mesh, so every rank scales by the same coefficient as single-process training would.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total

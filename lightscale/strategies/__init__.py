@@ -1,5 +1,7 @@
 """Parallelism strategies; each class registers its names in Lightning's ``StrategyRegistry`` when defined."""
 
+from lightscale.parallel.mesh import ParallelDims
+
 # The order of definition is the order of `lightscale strategies` and of the planner's candidates (least
 # communication first), so these imports are not sorted.
 # isort: off
@@ -11,7 +13,6 @@ from lightscale.strategies.parallel_3d import Parallel3DStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
 
 # isort: on
-from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
 
 __all__ = [

@@ -5,12 +5,13 @@ parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), 
 plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
 (lightscale/checkpoint/layout.py: any strategy's, at any world size), and teardown.
 
-What a subclass supplies:
+What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
+    * ``configure_precision(plugin)`` - the precision plugin it runs with, checked against the precision contract;
     * ``apply_parallelism(module)`` - wrap/shard/hook the single-device model for training;
-    * optionally, taking over the step: ``backward`` (a pipeline schedule runs forward+backward of every
-      microbatch there, because Lightning calls ``zero_grad`` between ``training_step`` and ``backward``)
-      and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
+    * ``step_context(step)`` - entered around every step (loss parallelism, serving a pipeline);
+    * optionally, taking over the step: ``backward`` (a pipeline schedule has already run backward in
+      ``training_step``) and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
     * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry`` (and lightscale's list of classes)
       when the class is defined, also in a user's own file;
     * ``precision_family`` - its column of the precision contract; ``plannable`` - which names ``fit_memory`` /
@@ -35,6 +36,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -58,11 +60,11 @@ from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
-from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,7 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._root: nn.Module | None = None  # where FSDP roots: the LightningModule itself makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
@@ -210,11 +213,7 @@ class LightscaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks that share a batch (tensor/pipeline parallel) share a data shard; expert-parallel ranks do not (they
-        # are data-parallel ranks that exchange tokens). Mesh order is (pp, dp_replicate, dp_shard, ep, tp), tp
-        # fastest: the (dp, ep) index has stride tp.
-        dims = self.dims
-        return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
+        return self.dims.sampler_kwargs(self.global_rank)  # ranks sharing a batch (tp, pp) share a data shard
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -276,27 +275,62 @@ class LightscaleStrategy(ParallelStrategy):
     # ---- the model ---------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
+        """The one setup template: precision plugin, parallelism applied from outside, optimizers (when fitting)."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin = self.configure_precision(self.precision_plugin)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # sync_batchnorm=True
+        if fitting and self._layer_sync:  # sync_batchnorm=True
             self.model = self._layer_sync.apply(self.model)
         # Evaluation runs the parallelized model too (sharded, pipelined), after fit and in a fresh process alike.
         self.model = self.apply_parallelism(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()  # no rank starts a step (its collectives) before every rank's model is ready
 
-    def call_step(self, root: nn.Module | None, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the LightningModule's ``step``; through its ``__call__`` (Lightning's forward redirection) when the
-        module is itself the root of a wrapper whose forward hooks must run (FSDP gathering its parameters)."""
+    def configure_precision(self, plugin: Precision) -> Precision:
+        """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
+        return plugin
+
+    # ---- the step: Lightning's four step methods, one template ---------------------------------------------
+    def step_context(self, step: str) -> AbstractContextManager:
+        """Entered around each step (``"training_step"``, ...), outside the precision plugin's context."""
+        return nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("training_step"), self.precision_plugin.train_step_context():
+            return self.call_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("validation_step"), self.precision_plugin.val_step_context():
+            return self.call_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("test_step"), self.precision_plugin.test_step_context():
+            return self.call_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("predict_step"), self.precision_plugin.predict_step_context():
+            return self.call_step("predict_step", *args, **kwargs)
+
+    def call_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``step``: through a wrapper's forward (DeepSpeed's engine), or through the
+        module's own ``__call__`` when FSDP roots at it (its hooks gather the parameters); Lightning's forward
+        redirection does both."""
         module = self.lightning_module
-        if root is module:
+        assert module is not None and self.model is not None
+        if self.model is not module:
+            return self._forward_redirection(self.model, module, step, *args, **kwargs)
+        if self._root is module:
             return self._forward_redirection(module, module, step, *args, **kwargs)
         return getattr(module, step)(*args, **kwargs)
 

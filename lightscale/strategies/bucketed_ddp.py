@@ -10,7 +10,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
@@ -66,10 +67,10 @@ class BucketedDDPStrategy(LightscaleStrategy):
         self.reducer: BucketedGradReducer | None = None
 
     @override
-    def setup(self, trainer: Trainer) -> None:
-        name = precision_name(self.precision_plugin)
+    def configure_precision(self, plugin: Precision) -> Precision:
+        name = precision_name(plugin)
         enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
-        super().setup(trainer)
+        return plugin
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:

@@ -23,10 +23,9 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
@@ -37,11 +36,11 @@ from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, set_gradient_sync, torch_generator_states
+from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.mesh import ParallelDims
 
 
 class FSDP2Strategy(LightscaleStrategy):
@@ -132,9 +131,7 @@ class FSDP2Strategy(LightscaleStrategy):
         check_compression(compression)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
-        for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
-            if degree != -1 and (not isinstance(degree, int) or degree < 1):  # refuse at construction, not at setup
-                raise ConfigurationError(f"{name}={degree!r} is not valid: use a positive degree or -1 (infer).")
+        check_degrees({"dp_replicate": dp_replicate, "dp_shard": dp_shard})  # at construction, not at setup
         self.unit_classes = tuple(unit_classes) if unit_classes is not None else None
         self.reshard_after_forward = reshard_after_forward
         self.dp_replicate = dp_replicate
@@ -146,19 +143,11 @@ class FSDP2Strategy(LightscaleStrategy):
         self.meta_init = meta_init
         self.compression = compression
         self._rng_state: dict[str, torch.Tensor] | None = None
-        self._root: nn.Module | None = None  # where FSDP roots: the network child or the LightningModule
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(world_size=world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
-
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
-        if self.dims.dp_replicate > 1:
-            return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_shard"]
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -173,18 +162,10 @@ class FSDP2Strategy(LightscaleStrategy):
             yield
 
     @override
-    def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        name = precision_name(self.precision_plugin)
+    def configure_precision(self, plugin: Precision) -> Precision:
+        name = precision_name(plugin)
         enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
-        self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
-        self.precision_plugin.convert_module(self.model)
-        self.model = self.apply_parallelism(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self.barrier()
+        return fsdp2_precision_plugin(name, self.root_device.type)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -212,26 +193,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
             materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self.call_step(self._root, "training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self.call_step(self._root, "validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self.call_step(self._root, "test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self.call_step(self._root, "predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
