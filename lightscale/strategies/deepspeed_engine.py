@@ -49,6 +49,15 @@ def not_a_boundary(engine: Any):
         engine.set_gradient_accumulation_boundary(True)
 
 
+def check_zero_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what DeepSpeed would silently change: it rebuilds Adagrad over its flat partitions as one group."""
+    if isinstance(optimizer, torch.optim.Adagrad) and len(optimizer.param_groups) > 1:
+        raise ConfigurationError(
+            f"Adagrad with {len(optimizer.param_groups)} parameter groups under ZeRO: DeepSpeed rebuilds Adagrad with "
+            "one group and the defaults, dropping each group's settings. Use one group, or fsdp2 / bucketed_ddp."
+        )
+
+
 def host_optimizer(optimizer: torch.optim.Optimizer, user_config: dict[str, Any]) -> torch.optim.Optimizer:
     """The optimizer that steps the offloaded fp32 partitions, with one info line (rank 0) saying which it is.
 

@@ -37,6 +37,7 @@ from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, va
 from lightscale.strategies.deepspeed_engine import (
     EngineRoot,
     check_async_io,
+    check_zero_optimizer,
     host_optimizer,
     not_a_boundary,
 )
@@ -218,6 +219,7 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
             )
         optimizer = optimizers[0]
+        check_zero_optimizer(optimizer)
         self._group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer:
             optimizer = host_optimizer(optimizer, self.user_config)
