@@ -40,7 +40,13 @@ from lightscale.parallel.moe import moe_layers
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
-from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
+from lightscale.strategies.deepspeed_engine import (
+    EngineRoot,
+    check_async_io,
+    check_zero_optimizer,
+    host_optimizer,
+    not_a_boundary,
+)
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -50,8 +56,8 @@ class ZeroStrategy(LightscaleStrategy):
 
     Args:
         stage: 1, 2 or 3.
-        offload_optimizer: keep optimizer state (and the fp32 master weights) in host memory; AdamW runs as
-            DeepSpeed's CPU Adam.
+        offload_optimizer: keep optimizer state (and the fp32 master weights) in host memory and step it there:
+            Adam/AdamW as DeepSpeed's CPU Adam, any other torch optimizer as torch's own implementation.
         offload_params: keep parameters in host memory between uses (stage 3).
         nvme_path: offload to files in this directory instead of host memory (ZeRO-Infinity); default under
             the run's log dir when ``zero_infinity`` is chosen by name.
@@ -73,7 +79,7 @@ class ZeroStrategy(LightscaleStrategy):
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
-        "zero2_offload": ("ZeRO-2 with optimizer state on the CPU (CPU Adam)", {"stage": 2, "offload_optimizer": True}),
+        "zero2_offload": ("ZeRO-2 with optimizer state and step on the CPU", {"stage": 2, "offload_optimizer": True}),
         "zero3": ("ZeRO-3 on DeepSpeed: optimizer state, gradients and parameters sharded", {"stage": 3}),
         "zero3_offload": (
             "ZeRO-3 with optimizer state and parameters on the CPU",
@@ -180,6 +186,7 @@ class ZeroStrategy(LightscaleStrategy):
         if not fitting and self._engine_wraps(self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
             return
+        optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
         self.config = build_config(
             self._resolved_options(trainer),
             micro_batch_size=_micro_batch_size(trainer),
@@ -188,12 +195,12 @@ class ZeroStrategy(LightscaleStrategy):
             precision=self.precision_plugin.precision,
             compression=self.compression,
             user_config=self.user_config,
+            torch_optimizer_on_host=optimizer is not None and type(optimizer).__name__ != "DeepSpeedCPUAdam",
         )
         if not fitting and self.options.stage < 3:
             # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain
             # engine holds the (replicated) weights and still loads the checkpoint's module states.
             self.config["zero_optimization"] = {"stage": 0}
-        optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
         self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
@@ -241,9 +248,10 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
             )
         optimizer = optimizers[0]
+        check_zero_optimizer(optimizer)
         self._group_names = group_parameter_names(module, optimizer)
-        if self.options.offload_optimizer and self.user_config.get("zero_force_ds_cpu_optimizer") is not False:
-            optimizer = cpu_adam_from(optimizer)
+        if self.options.offload_optimizer:
+            optimizer = host_optimizer(optimizer, self.user_config)
         return optimizer, schedulers[0] if schedulers else None
 
     def _initialize_engine(self, module: LightningModule, optimizer: torch.optim.Optimizer | None) -> Any:
