@@ -34,7 +34,13 @@ from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_e
 from lightscale.plugins.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
-from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
+from lightscale.strategies.deepspeed_engine import (
+    EngineRoot,
+    check_async_io,
+    cpu_adam_from,
+    not_a_boundary,
+    require_deepspeed,
+)
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -91,6 +97,7 @@ class ZeroStrategy(LightscaleStrategy):
         checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
+        require_deepspeed()
         super().__init__(**kwargs)
         check_compression(compression)
         self.compression = compression
