@@ -7,6 +7,7 @@ out) instead of downloading them again, so the test needs no network and stays f
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -61,7 +62,8 @@ if trainer.global_rank == 0:
 
 
 def _run(*args: str | Path, cwd: Path | None = None) -> str:
-    done = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what the fresh environment installed
+    done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{args[:3]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
