@@ -1,9 +1,11 @@
-"""Pieces around DeepSpeed's engine that the ZeRO strategy uses: the module the engine wraps, the accumulation
-boundary, the optimizer that steps offloaded state (CPU Adam or the user's own), and the NVMe check.
+"""Pieces around DeepSpeed's engine that the ZeRO strategy uses: the installed-or-not check, the module the engine
+wraps, the accumulation boundary, the optimizer that steps offloaded state (CPU Adam or the user's own), and the
+NVMe check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,6 +16,16 @@ from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+
+
+def require_deepspeed() -> None:
+    """Refuse a ZeRO strategy at construction when DeepSpeed is absent (it is an extra: a source build)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigurationError(
+            "The ZeRO strategies (zero1 ... zero_infinity) run on DeepSpeed, which is not installed. Install the "
+            "extra: pip install 'lightscale[deepspeed]' (DeepSpeed builds from source; docs/strategies/zero.md). "
+            "Every other strategy works without it."
+        )
 
 
 class EngineRoot(nn.Module):

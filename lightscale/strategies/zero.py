@@ -46,6 +46,7 @@ from lightscale.strategies.deepspeed_engine import (
     check_zero_optimizer,
     host_optimizer,
     not_a_boundary,
+    require_deepspeed,
 )
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
@@ -126,6 +127,7 @@ class ZeroStrategy(LightscaleStrategy):
         checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
+        require_deepspeed()
         super().__init__(**kwargs)
         check_compression(compression)
         self.compression = compression
