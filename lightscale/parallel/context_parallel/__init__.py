@@ -3,13 +3,14 @@ ulysses), routed from ``F.scaled_dot_product_attention`` by a torch function mod
 """
 
 from lightscale.parallel.context_parallel.attention import MODES, Mode, context_parallel_attention
-from lightscale.parallel.context_parallel.dispatch import ContextParallelAttention, gather_sequence
+from lightscale.parallel.context_parallel.dispatch import ContextParallelAttention, gather_sequence, positions
 from lightscale.parallel.context_parallel.layout import (
     LAYOUTS,
     Layout,
     check_sequence_length,
     chunk_ranges,
     local_positions,
+    shard_batch,
     shard_sequence,
     unshard_sequence,
 )
@@ -25,6 +26,8 @@ __all__ = [
     "context_parallel_attention",
     "gather_sequence",
     "local_positions",
+    "positions",
+    "shard_batch",
     "shard_sequence",
     "unshard_sequence",
 ]

@@ -14,7 +14,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -77,3 +78,21 @@ def unshard_sequence(shards: list[Tensor], *, dim: int = 1, layout: Layout = "zi
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seq_len)
     return torch.cat(shards, dim=dim).index_select(dim, inverse.to(shards[0].device))
+
+
+def shard_batch(batch: Any, dims: Any, cp: int, rank: int, *, layout: Layout = "zigzag") -> Any:
+    """This rank's tokens of every tensor of ``batch`` along its sequence dimension in ``dims`` (a structure like
+    ``batch``: an int per tensor, ``None`` to keep the tensor whole); other entries pass unchanged.
+
+    Example:
+        >>> tokens, targets = shard_batch((tokens, targets), (1, 1), cp=2, rank=0)
+    """
+    if isinstance(batch, Tensor):
+        return batch if dims is None else shard_sequence(batch, cp, rank, dim=dims, layout=layout)
+    if isinstance(batch, Mapping):
+        shards = {key: shard_batch(value, dims.get(key), cp, rank, layout=layout) for key, value in batch.items()}
+        return type(batch)(shards)
+    if isinstance(batch, (list, tuple)):
+        sharded = [shard_batch(value, dim, cp, rank, layout=layout) for value, dim in zip(batch, dims, strict=True)]
+        return type(batch)(*sharded) if hasattr(batch, "_fields") else type(batch)(sharded)
+    return batch
