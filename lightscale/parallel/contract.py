@@ -163,10 +163,11 @@ def check_hooks(module: nn.Module, *, tp: int, pp: int) -> None:
         )
 
 
-def sequence_dims_of(module: nn.Module, batch: Any) -> Any:
+def sequence_dims_of(module: nn.Module, batch: Any, *, name: str | None = None) -> Any:
     """Where ``batch``'s tensors have their sequence dimension (context parallelism shards it): the module's
     ``sequence_dims(batch)``, else dimension 1 of every tensor of a batch of ``(batch, seq)`` tensors (a tensor, a
-    tuple/list or a dict of them, e.g. ``(tokens, targets)``); anything else is refused, naming the hook."""
+    tuple/list or a dict of them, e.g. ``(tokens, targets)``); anything else is refused, naming the hook on the
+    module's class ``name`` (default: its class name now)."""
     if has_hook(module, "sequence_dims"):
         return module.sequence_dims(batch)  # type: ignore[attr-defined]
     tensors = list(batch.values()) if isinstance(batch, Mapping) else batch
@@ -176,11 +177,12 @@ def sequence_dims_of(module: nn.Module, batch: Any) -> Any:
         if isinstance(batch, Tensor):
             return 1
         return {key: 1 for key in batch} if isinstance(batch, Mapping) else type(batch)([1] * len(batch))
+    name = name or type(module).__name__
     raise ConfigurationError(
-        f"Context parallelism (cp > 1) shards each batch along its sequence dimension, and {type(module).__name__}'s "
-        f"batch is not a (tokens, targets)-like batch of equal (batch, seq) tensors: got {_describe(batch)}. Define "
-        f"{type(module).__name__}.sequence_dims(self, batch) returning each tensor's sequence dimension (None keeps "
-        "it whole), as a structure like the batch (see lightscale/parallel/contract.py), or use cp=1."
+        f"Context parallelism (cp > 1) shards each batch along its sequence dimension, and {name}'s batch is not a "
+        f"(tokens, targets)-like batch of equal (batch, seq) tensors: got {_describe(batch)}. Define "
+        f"{name}.sequence_dims(self, batch) returning each tensor's sequence dimension (None keeps it whole), as a "
+        "structure like the batch (see lightscale/parallel/contract.py), or use cp=1."
     )
 
 

@@ -42,6 +42,7 @@ class ContextParallelStep:
 
     def __init__(self, module: LightningModule, group: ProcessGroup, *, mode: Mode) -> None:
         self.module = module
+        self.name = type(module).__name__  # before FSDP2 renames the class
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.attention = ContextParallelAttention(group, mode=mode)
@@ -60,7 +61,7 @@ class ContextParallelStep:
 
     def shard(self, batch: Any) -> Any:
         """This rank's tokens of the data shard's ``batch`` (a length not divisible by 2 x cp is refused here)."""
-        return shard_batch(batch, sequence_dims_of(self.module, batch), self.cp, self.rank)
+        return shard_batch(batch, sequence_dims_of(self.module, batch, name=self.name), self.cp, self.rank)
 
     def check_attention_called(self) -> None:
         """After the first training step: some rank's model called SDPA (one all-reduce, once)."""
@@ -70,7 +71,7 @@ class ContextParallelStep:
         calls = torch.tensor([self.attention.calls], dtype=torch.int64)
         dist.all_reduce(calls)
         if int(calls) == 0:
-            raise ConfigurationError(no_attention_refusal(type(self.module).__name__, self.cp))
+            raise ConfigurationError(no_attention_refusal(self.name, self.cp))
 
 
 @contextmanager
