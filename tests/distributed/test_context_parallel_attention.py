@@ -154,8 +154,9 @@ def _traffic(mode: str) -> dict[str, tuple[int, int]]:
 def test_bytes_per_layer_per_rank_equal_theory(cp: int) -> None:
     block = SHAPE[0] * SHAPE[1] * SHAPE[2] // cp * SHAPE[3] * 4  # bytes of one local q, k, v or output
     theory = {
-        # K and V travel as one message per hop: cp - 1 hops forward, their gradients cp - 1 hops back.
-        "ring": {"send": (2 * (cp - 1), 2 * (cp - 1) * 2 * block), "recv": (2 * (cp - 1), 2 * (cp - 1) * 2 * block)},
+        # K and V travel as one message per hop: cp - 1 hops forward; backward they travel again (cp - 1 hops) and
+        # their gradients one hop behind them (cp hops, fp32 here like the inputs).
+        "ring": {"send": (3 * cp - 2, (3 * cp - 2) * 2 * block), "recv": (3 * cp - 2, (3 * cp - 2) * 2 * block)},
         # One all-gather of K and V (the counter reports the gathered buffer: cp blocks each, (cp - 1) of them
         # sent by this rank) and one reduce-scatter of dK, dV (its input buffer).
         "allgather": {"all_gather": (1, cp * 2 * block), "reduce_scatter": (1, cp * 2 * block)},

@@ -9,7 +9,14 @@ the same query rows merge exactly, in fp32::
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Everything here is plain differentiable torch, so autograd gives exact gradients through blocks and merges.
+Forward runs without autograd (:func:`attend`, :func:`finish`): the attention functions of :mod:`.attention` keep
+only q, k, v, the merged output and its log-sum-exp for backward, and :func:`attend_backward` recomputes each
+block's probabilities from the *final* log-sum-exp (flash attention's backward)::
+
+    P = exp(S - lse)    dV = Pᵀ dO    dP = dO Vᵀ    dS = P ∘ (dP - rowsum(dO ∘ O))
+    dQ = dS K·scale     dK = dSᵀ Q·scale
+
+which is exact: ``P`` of a block under the final ``lse`` is that block's share of the merged softmax.
 """
 
 from __future__ import annotations
@@ -86,7 +93,62 @@ def attend(
     return acc
 
 
-def finish(acc: list[Partial | None], dtype: torch.dtype) -> Tensor:
-    """The query chunks' outputs joined in local order, in the inputs' dtype."""
+def finish(acc: list[Partial | None]) -> Partial:
+    """The query chunks' outputs and log-sum-exps joined in local order (fp32)."""
     assert all(part is not None for part in acc), "a query chunk saw no key (its own chunk is always visible)"
-    return torch.cat([part.out for part in acc if part is not None], dim=-2).to(dtype)
+    parts = [part for part in acc if part is not None]
+    return Partial(torch.cat([p.out for p in parts], dim=-2), torch.cat([p.lse for p in parts], dim=-1))
+
+
+def attends(q_ranges: list[Range], k_ranges: list[Range], *, causal: bool) -> bool:
+    """Whether any query chunk attends to any of the key chunks (a ring step may have nothing to compute)."""
+    return any(pair_kind(qr, kr, causal=causal) != "skip" for qr in q_ranges for kr in k_ranges)
+
+
+class OutputGrad(NamedTuple):
+    """What every block's backward needs of the merged output: its gradient ``dO``, ``delta = rowsum(dO ∘ O)`` and
+    the final log-sum-exp (query rows in local order, fp32)."""
+
+    grad: Tensor  # (..., Lq, Dv)
+    delta: Tensor  # (..., Lq)
+    lse: Tensor  # (..., Lq)
+
+    def chunks(self, rows: list[int]) -> list[OutputGrad]:
+        grads, deltas = self.grad.split(rows, dim=-2), self.delta.split(rows, dim=-1)
+        return [OutputGrad(*part) for part in zip(grads, deltas, self.lse.split(rows, dim=-1), strict=True)]
+
+
+def attend_backward(
+    q: Tensor,
+    q_ranges: list[Range],
+    k: Tensor,
+    v: Tensor,
+    k_ranges: list[Range],
+    output: OutputGrad,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 gradients (dq, dk, dv) of the merged attention's output through the key chunks of ``k``/``v`` (shapes
+    as in :func:`attend`)."""
+    rows = [end - start for start, end in q_ranges]
+    q_chunks, out_chunks = q.float().split(rows, dim=-2), output.chunks(rows)
+    sizes = [end - start for start, end in k_ranges]
+    k_chunks, v_chunks = k.float().split(sizes, dim=-2), v.float().split(sizes, dim=-2)
+    dq = [torch.zeros_like(chunk) for chunk in q_chunks]
+    dk, dv = [torch.zeros_like(chunk) for chunk in k_chunks], [torch.zeros_like(chunk) for chunk in v_chunks]
+    for i, (q_range, o) in enumerate(zip(q_ranges, out_chunks, strict=True)):
+        for j, k_range in enumerate(k_ranges):
+            kind = pair_kind(q_range, k_range, causal=causal)
+            if kind == "skip":
+                continue
+            scores = (q_chunks[i] @ k_chunks[j].transpose(-2, -1)) * scale
+            if kind == "diagonal":
+                keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+                scores = scores.masked_fill(~keep, float("-inf"))
+            probs = torch.exp(scores - o.lse.unsqueeze(-1))  # this block's share of the merged softmax
+            dv[j] += probs.transpose(-2, -1) @ o.grad
+            dscores = probs * (o.grad @ v_chunks[j].transpose(-2, -1) - o.delta.unsqueeze(-1))
+            dq[i] += (dscores @ k_chunks[j]) * scale
+            dk[j] += (dscores.transpose(-2, -1) @ q_chunks[i]) * scale
+    return torch.cat(dq, dim=-2), torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)

@@ -1,22 +1,22 @@
-"""The collectives of context parallelism, each an autograd function whose backward is its transpose.
+"""The collectives of context parallelism.
 
-- :func:`ring_shift`: every rank sends a tensor to the next rank of the group and receives the previous rank's
-  (point-to-point, ``batch_isend_irecv``); backward sends the gradient back the other way. The forward is
-  asynchronous: it returns the receive buffer at once and :class:`Pending` waits for it, so the caller can
-  compute on the current block meanwhile.
-- :func:`all_gather_sequence`: the group's tensors concatenated in rank order along ``dim``; backward is a
-  reduce-scatter of the gradient (each rank gets the sum of every rank's gradient for its own block).
+- :func:`send_to_next`: every rank sends a tensor to the next rank of the group and receives the previous rank's
+  (point-to-point, ``batch_isend_irecv``), asynchronously: :class:`Pending` waits for it, so the caller computes on
+  the current block meanwhile. The ring's forward and backward (:mod:`.attention`) are written with it.
+- :func:`all_gather_along` / :func:`reduce_scatter_along`: the group's tensors concatenated in rank order along a
+  dimension, and its transpose (each rank gets the sum of every rank's block for its own); allgather mode's
+  forward and backward.
 - :func:`all_to_all_heads`: sequence shards to head shards (``(B, H, S/cp, D)`` -> ``(B, H/cp, S, D)``, the
-  sequence in rank order) and :func:`all_to_all_sequence` back; each is the other's backward.
+  sequence in rank order) and :func:`all_to_all_sequence` back; autograd functions, each the other's backward.
 
 Written here rather than taken from ``torch.distributed.nn.functional`` because that module's all-gather backward
 emulates reduce-scatter on gloo with ``cp`` scatters, and its functions are deprecated.
 
 Example:
     >>> pending = Pending()
-    >>> k_next = ring_shift(k, group, pending)  # in flight
-    >>> ...  # compute with k
-    >>> pending.wait()  # k_next is now the previous rank's k
+    >>> kv_next = send_to_next(kv, group, pending)  # in flight
+    >>> ...  # compute with kv
+    >>> pending.wait()  # kv_next is now the previous rank's kv
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class Pending:
-    """Point-to-point requests started by :func:`ring_shift` and not yet waited for."""
+    """Point-to-point requests started by :func:`send_to_next` and not yet waited for."""
 
     def __init__(self) -> None:
         self.works: list[Any] = []
@@ -45,61 +45,37 @@ class Pending:
         self.works.clear()
 
 
-def _exchange(x: Tensor, group: ProcessGroup, *, step: int) -> tuple[Tensor, list[Any]]:
-    """Send ``x`` to the rank ``step`` ahead in the group, receive from the one ``step`` behind; not waited."""
+def send_to_next(x: Tensor, group: ProcessGroup, pending: Pending) -> Tensor:
+    """Send ``x`` to the next rank of the group and receive the previous rank's into the tensor returned, valid
+    after ``pending.wait()`` (one ``batch_isend_irecv``; the caller computes meanwhile)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    x = x.contiguous()
     received = torch.empty_like(x)
     ops = [
-        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + step) % size),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - step) % size),
+        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size),
     ]
-    return received, dist.batch_isend_irecv(ops)
+    pending.works.extend(dist.batch_isend_irecv(ops))
+    return received
 
 
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: ProcessGroup, pending: Pending) -> Tensor:
-        ctx.group = group
-        received, works = _exchange(x.contiguous(), group, step=1)
-        pending.works.extend(works)
-        return received
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        # The gradient of what this rank received belongs to the rank it came from: the previous one.
-        received, works = _exchange(grad.contiguous(), ctx.group, step=-1)
-        for work in works:
-            work.wait()
-        return received, None, None
+def all_gather_along(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """Every rank's ``x`` concatenated in rank order along ``dim`` (no autograd)."""
+    size = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    _ALL_GATHER(out, moved, group=group)
+    return out.movedim(0, dim)
 
 
-def ring_shift(x: Tensor, group: ProcessGroup, pending: Pending) -> Tensor:
-    """The previous rank's ``x`` (valid after ``pending.wait()``); gradients flow back to the sender."""
-    return _RingShift.apply(x, group, pending)
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        size = dist.get_world_size(group)
-        moved = x.movedim(dim, 0).contiguous()
-        out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-        _ALL_GATHER(out, moved, group=group)
-        return out.movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        size = dist.get_world_size(ctx.group)
-        moved = grad.movedim(ctx.dim, 0).contiguous()
-        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        _REDUCE_SCATTER(out, moved, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None
-
-
-def all_gather_sequence(x: Tensor, group: ProcessGroup, *, dim: int = -2) -> Tensor:
-    """Every rank's ``x`` concatenated in rank order along ``dim``; backward reduce-scatters the gradient."""
-    return _AllGather.apply(x, group, dim % x.dim())
+def reduce_scatter_along(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """This rank's block along ``dim`` of the sum of every rank's ``x`` (no autograd): the transpose of
+    :func:`all_gather_along`."""
+    size = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    _REDUCE_SCATTER(out, moved, group=group)
+    return out.movedim(0, dim)
 
 
 def _all_to_all(x: Tensor, group: ProcessGroup, split_dim: int, cat_dim: int) -> Tensor:
