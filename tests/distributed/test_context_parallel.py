@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightscale.callbacks import MemoryProfiler
+from lightscale.estimate.activations import context_parallel_extra_bytes
 from lightscale.parallel.context_parallel import positions
 from lightscale.parallel.moe import MoEConfig
 from lightscale.recipes.gpt import GPTDataModule
@@ -281,3 +283,31 @@ def test_a_datamodules_block_size_is_checked_before_training(corpus_cache: str) 
     with pytest.raises(RankFailed, match=r"Sequence length 30 is not divisible by 2 \* cp = 4") as error:
         run_distributed(_gpt_with_block_size, 30, corpus_cache, world_size=2)
     assert "setup_environment" in str(error.value)  # at start-up, before the model is built
+
+
+# ---- memory: what each rank saves for backward -------------------------------------------------------------------
+def _saved_activations(strategy: Any, cache_dir: str, out_dir: str) -> tuple[float, float]:
+    profiler = MemoryProfiler(every_n_steps=1, out_dir=out_dir, plot=False)
+    train_tiny_gpt(strategy, devices=dist.get_world_size(), batch_size=2, max_steps=2, config=TINY,
+                   cache_dir=cache_dir, extra_callbacks=[profiler])  # fmt: skip
+    assert profiler.estimate is not None
+    return profiler.records[-1]["activations"], profiler.estimate.activations.total
+
+
+def test_saved_activations_per_rank_at_cp2(corpus_cache: str, tmp_path: Any) -> None:
+    """Ring: exactly half of one process's (every saved tensor is per token; backward sends K/V around again).
+    Allgather keeps the gathered K/V of the whole sequence; ulysses a second copy of each attention output (torch's
+    attention keeps it in head shards, the output projection in sequence shards) and the sequence permutation."""
+    whole, _ = run_distributed(_saved_activations, Parallel3DStrategy(), corpus_cache, str(tmp_path), world_size=1)[0]
+    shape = SGDGPTModule(TINY).transformer_shape()
+    ratios = {}
+    for mode in ("ring", "allgather", "ulysses"):
+        strategy = Parallel3DStrategy(cp=2, cp_mode=mode)
+        extra = TINY.n_layer * context_parallel_extra_bytes(shape, strategy.memory_layout(2), micro_batch=2, e=4)
+        per_rank = run_distributed(_saved_activations, strategy, corpus_cache, str(tmp_path), world_size=2)
+        for measured, estimate in per_rank:
+            # Up to the token ids' storage (a window of seq + 1 tokens at cp = 1) and the loss scalar.
+            assert abs(measured - whole / 2 - extra) <= 64, (mode, measured, whole)
+            assert measured == pytest.approx(estimate, rel=1e-3)
+        ratios[mode] = measured / whole
+    assert ratios == pytest.approx({"ring": 0.5, "allgather": 0.547, "ulysses": 0.526}, abs=1e-3)  # docs' figures

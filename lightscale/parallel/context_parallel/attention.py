@@ -138,7 +138,14 @@ def _kv_blocks(kv: Tensor, k_dim: int, heads: int) -> tuple[Tensor, Tensor]:
 
 def _output_grad(grad: Tensor, out: Tensor, lse: Tensor) -> OutputGrad:
     grad = grad.float()
-    return OutputGrad(grad, (grad * out).sum(-1), lse)
+    return OutputGrad(grad, (grad * out.float()).sum(-1), lse)
+
+
+def sdpa_layout(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """``out (B, H, L, D)`` in ``dtype``, laid out in memory as ``(B, L, H, D)`` like torch's own attention output:
+    the usual ``out.transpose(1, 2).reshape(B, L, H * D)`` is then a view, and the tensor saved here for backward is
+    the one the next layer saves (no second copy of the output)."""
+    return out.transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -157,9 +164,10 @@ class _RingAttention(torch.autograd.Function):
             pending.wait()
             kv = incoming
         merged = finish(acc)
-        ctx.save_for_backward(q, k, v, merged.out, merged.lse)
+        out = sdpa_layout(merged.out, q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged.lse)
         ctx.shape = shape
-        return merged.out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
@@ -198,9 +206,10 @@ class _AllGatherAttention(torch.autograd.Function):
         q_ranges = shape.ranges(shape.rank)
         acc = attend(q, q_ranges, full_k, full_v, shape.all_ranges(), acc, causal=shape.causal, scale=shape.scale)
         merged = finish(acc)
-        ctx.save_for_backward(q, kv, merged.out, merged.lse)  # the whole sequence's K/V: no second gather
+        out = sdpa_layout(merged.out, q.dtype)
+        ctx.save_for_backward(q, kv, out, merged.lse)  # the whole sequence's K/V: no second gather
         ctx.shape, ctx.dims = shape, (k.shape[1], k.shape[-1], v.shape[1])
-        return merged.out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
