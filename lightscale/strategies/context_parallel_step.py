@@ -70,8 +70,7 @@ class ContextParallelStep:
         self._checked_calls = True
         calls = torch.tensor([self.attention.calls], dtype=torch.int64)
         dist.all_reduce(calls)
-        if int(calls) == 0:
-            raise ConfigurationError(no_attention_refusal(self.name, self.cp))
+        check_attention_calls(int(calls), module_name=self.name, cp=self.cp)
 
 
 @contextmanager
@@ -130,13 +129,15 @@ def check_context_parallel_moe(module: LightningModule, *, cp: int) -> None:
             )
 
 
-def no_attention_refusal(module_name: str, cp: int) -> str:
-    return (
-        f"Context parallelism (cp={cp}) routes F.scaled_dot_product_attention across ranks, but {module_name} "
-        "called it nowhere during the first training step: its attention (if any) saw only this rank's tokens of "
-        "each sequence and would silently train on a different model. Compute attention with "
-        "torch.nn.functional.scaled_dot_product_attention (is_causal=True or no mask), or use cp=1."
-    )
+def check_attention_calls(calls: int, *, module_name: str, cp: int) -> None:
+    """Refuse a model that made no SDPA call in a training step (``calls`` summed over every rank)."""
+    if calls == 0:
+        raise ConfigurationError(
+            f"Context parallelism (cp={cp}) routes F.scaled_dot_product_attention across ranks, but {module_name} "
+            "called it nowhere during the first training step: its attention (if any) saw only this rank's tokens "
+            "of each sequence and would silently train on a different model. Compute attention with "
+            "torch.nn.functional.scaled_dot_product_attention (is_causal=True or no mask), or use cp=1."
+        )
 
 
 def predict_refusal(cp: int) -> str:

@@ -97,9 +97,10 @@ def test_cp2_matches_one_process(mode: str, corpus_cache: str) -> None:
         (Parallel3DStrategy(cp=2, dp=2, dp_mode="replicate"), "tiny", 2),  # HSDP: (dp_replicate, cp)
         (Parallel3DStrategy(cp=2, tp=2), "tiny", 1),  # sequence + loss parallel inside each cp rank
         (Parallel3DStrategy(cp=2, pp=2), "pipelined", 1),  # 1f1b, 2 microbatches of sequence shards
+        (Parallel3DStrategy(cp=2, pp=2, schedule="zbv"), "pipelined", 1),  # zero bubble: backward split in two
         (Parallel3DStrategy(cp=2, ep=2), "moe", 2),  # experts over ep, FSDP2 over dp_shard x cp for them
     ],
-    ids=["cp2_dp2", "cp2_dp2_replicate", "cp2_tp2", "cp2_pp2", "cp2_ep2_moe"],
+    ids=["cp2_dp2", "cp2_dp2_replicate", "cp2_tp2", "cp2_pp2", "cp2_pp2_zbv", "cp2_ep2_moe"],
 )
 def test_cp2_composes_on_four_ranks(strategy: Any, config: str, data_shards: int, corpus_cache: str) -> None:
     reference = _gpt_reference(config, corpus_cache)
@@ -271,6 +272,16 @@ def test_a_model_ignoring_global_positions_fails_by_far() -> None:
 def test_what_cp_cannot_run_is_refused(attention: str, seq: int, match: str) -> None:
     with pytest.raises(RankFailed, match=match):
         run_distributed(_tiny_lm, Parallel3DStrategy(cp=2), data_shards=1, attention=attention, seq=seq, world_size=2)
+
+
+def _predict(cache_dir: str) -> None:
+    trainer = quiet_trainer(Parallel3DStrategy(cp=2), devices=2, max_steps=1)
+    trainer.predict(SGDGPTModule(TINY), GPTDataModule(block_size=32, batch_size=2, cache_dir=cache_dir))
+
+
+def test_predict_is_refused(corpus_cache: str) -> None:
+    with pytest.raises(RankFailed, match=r"predict under context parallelism \(cp=2\) is not supported"):
+        run_distributed(_predict, corpus_cache, world_size=2)
 
 
 def _gpt_with_block_size(block_size: int, cache_dir: str) -> None:

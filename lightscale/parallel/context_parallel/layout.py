@@ -32,10 +32,10 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
         raise ConfigurationError(f"Context parallel degree cp={cp} must be at least 1.")
     if seq_len % (2 * cp) != 0:
         padded = -(-seq_len // (2 * cp)) * (2 * cp)
+        problem = "is shorter than" if seq_len < 2 * cp else "is not divisible by"
         raise ConfigurationError(
-            f"Sequence length {seq_len} is not divisible by 2 * cp = {2 * cp} (cp={cp}): context parallelism cuts "
-            f"the sequence into 2 * cp equal chunks. Pad or crop the sequence to a multiple of {2 * cp} "
-            f"(e.g. {padded})."
+            f"Sequence length {seq_len} {problem} 2 * cp = {2 * cp} (cp={cp}): context parallelism cuts the "
+            f"sequence into 2 * cp equal chunks. Pad or crop the sequence to a multiple of {2 * cp} (e.g. {padded})."
         )
 
 
