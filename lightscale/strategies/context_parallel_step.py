@@ -49,10 +49,9 @@ class ContextParallelStep:
         self._checked_calls = False
 
     @contextmanager
-    def serving(self, step: str, trainer: Trainer, reduce: Reduce) -> Iterator[None]:
-        """Attention routed and logged values reduced over the cp group, for one step call."""
-        if step == "predict_step":
-            raise ConfigurationError(predict_refusal(self.cp))
+    def serving(self, trainer: Trainer, reduce: Reduce) -> Iterator[None]:
+        """Attention routed and logged values reduced over the cp group, for one step call (predict is refused
+        before: Parallel3DStrategy.setup_environment)."""
         self.attention.calls = 0
         with ExitStack() as stack:
             stack.enter_context(self.attention)

@@ -12,8 +12,8 @@ dp x tp x pp: the precision plugin's, lightscale/plugins/fsdp_precision.py), LR 
 Lightning's. Validation, test and predict run a forward-only schedule (lightscale/parallel/pipeline_runtime.py).
 
 Context parallelism (``cp > 1``) changes no module: each step's batch is cut along the sequence and the model's SDPA
-calls are routed across the cp ranks while the step (and its backward) runs; lightscale/strategies/
-context_parallel_step.py and docs/strategies/context_parallel.md.
+calls are routed across the cp ranks while the step runs (and when checkpointed blocks are recomputed in backward);
+lightscale/strategies/context_parallel_step.py and docs/strategies/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
-        """Dense states sharded by FSDP2 over dp_shard x ep, layers split over tp, stages over pp."""
+        """Dense states sharded by FSDP2 over dp_shard x ep x cp, layers split over tp, stages over pp, sequences over
+        cp (activations)."""
         dims = self.parallel_dims(world_size)
         dense_shard = dims.dp_shard * dims.ep * dims.cp  # FSDP2 shards the dense part over the ep and cp ranks too
         sharded = dense_shard > 1
@@ -346,7 +347,7 @@ class Parallel3DStrategy(LightscaleStrategy):
             stack.enter_context(self._loss_parallel())
             if self.context_parallel is not None:
                 trainer = self.lightning_module.trainer
-                stack.enter_context(self.context_parallel.serving(step, trainer, self.reduce))
+                stack.enter_context(self.context_parallel.serving(trainer, self.reduce))
             if self.pipelined is not None:
                 scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: scales each microbatch loss
                 loss_scale = scaler.scale if scaler is not None else None

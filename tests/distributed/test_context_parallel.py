@@ -50,7 +50,9 @@ class LoggedLoss(pl.Callback):
         self.values.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def _gpt(strategy: Any, config: str, cache_dir: str, *, data_shards: int, accumulate: int = 1) -> dict[str, Any]:
+def _gpt(
+    strategy: Any, config: str, cache_dir: str, *, data_shards: int, accumulate: int = 1, clip: float | None = None
+) -> dict[str, Any]:
     logged = LoggedLoss()
     losses = train_tiny_gpt(
         strategy,
@@ -63,13 +65,14 @@ def _gpt(strategy: Any, config: str, cache_dir: str, *, data_shards: int, accumu
         sgd_lr=SGD_LR,
         local_losses=True,
         extra_callbacks=[logged],
+        gradient_clip_val=clip,
     )
     return {"losses": losses, "logged": logged.values}
 
 
 @cache
-def _gpt_reference(config: str, cache_dir: str) -> dict[str, Any]:
-    return run_distributed(_gpt, "auto", config, cache_dir, data_shards=1, world_size=1)[0]
+def _gpt_reference(config: str, cache_dir: str, clip: float | None = None) -> dict[str, Any]:
+    return run_distributed(_gpt, "auto", config, cache_dir, data_shards=1, clip=clip, world_size=1)[0]
 
 
 def _fit_gpt(strategy: Any, ranks: int, cache_dir: str, *, config: str = "tiny", data_shards: int = 1, **kwargs: Any):
@@ -114,6 +117,14 @@ def test_cp2_with_accumulation_and_activation_checkpointing(checkpointing: str, 
     strategy = Parallel3DStrategy(cp=2, cp_mode="allgather", activation_checkpointing=checkpointing)
     losses, _ = _fit_gpt(strategy, 2, corpus_cache, accumulate=2)
     assert relative_difference(losses, _gpt_reference("tiny", corpus_cache)["losses"]) <= TOLERANCE
+
+
+def test_cp2_tp2_clipping_uses_the_global_norm(corpus_cache: str) -> None:
+    # With SGD a clipped step is a shorter step: a norm over one cp (or tp) rank's shards would clip differently.
+    clipped = _gpt_reference("tiny", corpus_cache, clip=0.5)["losses"]
+    assert relative_difference(clipped, _gpt_reference("tiny", corpus_cache)["losses"]) > 100 * TOLERANCE
+    losses, _ = _fit_gpt(Parallel3DStrategy(cp=2, tp=2), 4, corpus_cache, clip=0.5)
+    assert relative_difference(losses, clipped) <= TOLERANCE
 
 
 class PlantedPermutation(Parallel3DStrategy):
