@@ -89,8 +89,8 @@ class ParallelDims:
 
     @property
     def fsdp_size(self) -> int:
-        """Ranks the dense parameters' gradients are averaged over (FSDP2 shards over all but dp_replicate): every
-        rank with a batch of its own (dp x ep) times the cp ranks splitting each batch's sequences."""
+        """Ranks the dense parameters' gradients are averaged over: every rank with a batch of its own (dp x ep)
+        times the cp ranks splitting each batch's sequences (FSDP2 shards over all of them but dp_replicate)."""
         return self.data_shards * self.cp
 
     @property
