@@ -52,8 +52,11 @@ def data_parallel_group(strategy: Any) -> ProcessGroup | None:
 
 def _subgroup(strategy: Any) -> ProcessGroup:
     """This rank's group of data-parallel peers; every rank creates every group (a collective call)."""
-    ranks = strategy.device_mesh.mesh  # axes (pp, dp_replicate, dp_shard, ep, tp)
-    groups = ranks.permute(0, 3, 4, 1, 2).reshape(-1, strategy.dims.dp).tolist()
+    mesh = strategy.device_mesh
+    names = list(mesh.mesh_dim_names)
+    data = [names.index("dp_replicate"), names.index("dp_shard")]  # innermost after the permute: one group per row
+    others = [axis for axis in range(len(names)) if axis not in data]
+    groups = mesh.mesh.permute(*others, *data).reshape(-1, strategy.dims.dp).tolist()
     group, _ = dist.new_subgroups_by_enumeration(groups, backend=dist.get_backend())
     return group
 
