@@ -26,26 +26,27 @@ from pathlib import Path
 # packaging, tqdm, safetensors, scikit-learn and pillow are on the GPU machine and deliberately not shipped.
 DOWNLOADED = (
     # jsonargparse[signatures] (LightningCLI, `lightscale fit`)
-    "jsonargparse docstring-parser typeshed-client typing-extensions "
-    # DeepSpeed's requirements (numpy, packaging, psutil?, torch, tqdm are usually there; psutil is shipped anyway)
-    "hjson py-cpuinfo msgpack ninja einops psutil pydantic pydantic-core annotated-types typing-inspection "
+    "jsonargparse", "docstring-parser", "typeshed-client", "typing-extensions",
+    # DeepSpeed's requirements (numpy, packaging, torch and tqdm are there; psutil may be, shipped anyway)
+    "hjson", "py-cpuinfo", "msgpack", "ninja", "einops", "psutil",
+    "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
     # tensorboard (lightscale's TensorBoardLogger default), without its server (grpcio, data server, werkzeug)
-    "tensorboard protobuf absl-py markdown "
+    "tensorboard", "protobuf", "absl-py", "markdown",
     # matplotlib (MemoryProfiler's memory.png)
-    "matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil tzdata "
+    "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "python-dateutil", "tzdata",
     # pytest for tests/gpu
-    "pytest pluggy iniconfig pygments pytest-timeout"
-).split()
+    "pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout",
+)  # fmt: skip
 # Extras whose requirements count when deciding what a shipped wheel needs.
 EXTRAS = ("", "signatures", "deepspeed", "typing-extensions")
 
 
-def pins(names: list[str] = list(DOWNLOADED)) -> list[str]:
+def pins(names: tuple[str, ...] = DOWNLOADED) -> list[str]:
     """``name==version`` of each package as installed here (raises if one is missing: build in the full venv)."""
     return [f"{name}=={metadata.version(name)}" for name in names]
 
 
-def download(wheel_dir: Path, names: list[str] = list(DOWNLOADED)) -> list[str]:
+def download(wheel_dir: Path, names: tuple[str, ...] = DOWNLOADED) -> list[str]:
     """Download each package's cp312 manylinux wheel at this environment's version, or at the newest the index
     has for Python 3.12 where that version has no such wheel; returns what was substituted."""
     pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir)]
