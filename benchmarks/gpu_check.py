@@ -129,7 +129,7 @@ def report(results: list[Result], header: dict[str, Any]) -> str:
     lines = ["# lightscale GPU check", ""]
     lines += [f"- {key}: {value}" for key, value in header.items()]
     lines += ["", "## Summary", ""]
-    lines += table([{"check": r.name, "status": r.status, "seconds": round(r.seconds, 1)} for r in results])
+    lines += table([{"check": r.name, "status": r.status, "seconds": f"{r.seconds:.1f}"} for r in results])
     for r in results:
         lines += ["", f"## {r.name}: {r.status}", ""]
         lines += [f"- {note}" for note in r.notes]

@@ -98,7 +98,7 @@ def _trainer(strategy: Any, *, steps: int, precision: str = "bf16-mixed", callba
 def _gpt(config: dict[str, Any], **kw: Any) -> Any:
     from lightscale.recipes.gpt import GPTConfig, GPTModule
 
-    return GPTModule(GPTConfig(**config), learning_rate=kw.pop("learning_rate", 3e-3), warmup_steps=2, **kw)
+    return GPTModule(GPTConfig(**config), learning_rate=kw.pop("learning_rate", 1e-3), warmup_steps=2, **kw)
 
 
 def _random_tokens(config: dict[str, Any], micro_batch: int, steps: int) -> Any:
