@@ -19,6 +19,7 @@ import datetime
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,13 +66,26 @@ def isolated(target: str, *args: Any, timeout: float) -> dict[str, Any]:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", target, json.dumps(args), str(out)]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1.0), env=_env())
+            returncode, stdout, stderr = run_killable(command, timeout=timeout)
         except subprocess.TimeoutExpired as expired:
-            output = (expired.stderr or b"").decode(errors="replace") if isinstance(expired.stderr, bytes) else ""
-            return {"error": f"timed out after {timeout:.0f} s\n{tail(output)}"}
+            return {"error": f"timed out after {timeout:.0f} s\n{tail(str(expired.output or ''))}"}
         if out.exists():
             return json.loads(out.read_text())
-        return {"error": f"exit status {done.returncode}, no result\n{tail(done.stderr or done.stdout)}"}
+        return {"error": f"exit status {returncode}, no result\n{tail(stderr or stdout)}"}
+
+
+def run_killable(command: list[str], *, timeout: float, cwd: Path | None = None) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``command``; on time-out its whole session is killed (compile workers, the
+    offload search's probes, pytest's CLI runs: nothing is left holding the GPU) and TimeoutExpired raised."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd,
+                             start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = child.communicate(timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=stderr or stdout) from None
+    return child.returncode, stdout, stderr
 
 
 def _env() -> dict[str, str]:
@@ -90,8 +104,11 @@ def worker(target: str, args_json: str, out: str) -> None:
     Path(out).write_text(json.dumps(result, default=str))
 
 
-def run_checks(checks: list[Check], *, total_s: float = TOTAL_S) -> list[Result]:
-    """Each check within min(its budget, what is left of ``total_s``); one raising is a failure, the next runs."""
+def run_checks(
+    checks: list[Check], *, total_s: float = TOTAL_S, after_each: Callable[[list[Result]], None] = lambda r: None
+) -> list[Result]:
+    """Each check within min(its budget, what is left of ``total_s``); one raising is a failure, the next runs.
+    ``after_each`` gets the results so far (the report is rewritten after every check, so a killed run keeps it)."""
     end = time.monotonic() + total_s
     results = []
     for check in checks:
@@ -108,6 +125,7 @@ def run_checks(checks: list[Check], *, total_s: float = TOTAL_S) -> list[Result]
         result.seconds = time.monotonic() - start
         print(f"[gpu-check] {check.name}: {result.status} in {result.seconds:.0f} s", flush=True)
         results.append(result)
+        after_each(results)
     return results
 
 
@@ -243,11 +261,11 @@ def check_memory_profiler(deadline: float) -> Result:
     left = deadline - time.monotonic()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=max(left, 5), cwd=ROOT, env=_env())
-        result.notes.append(f"pytest tests/gpu: {tail(done.stdout, 1)}")
-        if done.returncode != 0:
+        returncode, stdout, stderr = run_killable(command, timeout=left, cwd=ROOT)
+        result.notes.append(f"pytest tests/gpu: {tail(stdout, 1)}")
+        if returncode != 0:
             result.status = "fail"
-            result.errors.append(f"pytest tests/gpu: {tail(done.stdout + done.stderr, 30)}")
+            result.errors.append(f"pytest tests/gpu: {tail(stdout + stderr, 30)}")
     except subprocess.TimeoutExpired:
         result.status = "fail"
         result.errors.append(f"pytest tests/gpu: timed out after {left:.0f} s")
@@ -295,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.site and (Path(args.site) / "installed.json").exists():
         installed = json.loads((Path(args.site) / "installed.json").read_text())
         header["wheels installed"] = ", ".join(n.split("-")[0] for n, w in installed.items() if w.startswith("install"))
+    os.environ.setdefault("LIGHTSCALE_CACHE", str(Path(tempfile.gettempdir()) / "lightscale_gpu_check_cache"))
     path = report_path()
-    results = run_checks(CHECKS)
-    path.write_text(report(results, header))
+    run_checks(CHECKS, after_each=lambda results: path.write_text(report(results, header)))
     print(f"[gpu-check] report: {path}")
     return 0
 
