@@ -62,6 +62,8 @@ def tail(text: str, lines: int = 15) -> str:
 def isolated(target: str, *args: Any, timeout: float) -> dict[str, Any]:
     """Run ``module:function(*args)`` in a child process, at most ``timeout`` seconds; its JSON-able return value,
     or ``{"error": traceback tail}`` when it raised, crashed or ran out of time."""
+    if timeout < 2:
+        return {"error": "not started: no time left", "not_started": True}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", target, json.dumps(args), str(out)]
@@ -202,6 +204,9 @@ def check_strategies(deadline: float) -> Result:
         }
         for name, future in futures.items():
             found = future.result()
+            if found.get("not_started"):
+                rows[name] = {"strategy": name, "status": "skip", "note": "not started: no time left"}
+                continue
             if "error" in found:
                 rows[name] = {"strategy": name, "status": "fail", "note": found["error"].splitlines()[0]}
                 result.errors.append(f"{name}: {found['error']}")

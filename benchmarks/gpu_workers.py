@@ -162,7 +162,7 @@ def strategy_names() -> list[tuple[str, str]]:
             strategy.parallel_dims(1)
             names.append((name, ""))
         except Exception as error:
-            names.append((name, f"needs more than 1 rank: {str(error).splitlines()[0][:150]}"))
+            names.append((name, f"needs more than 1 rank ({type(error).__name__} at world size 1)"))
     return names
 
 
