@@ -13,9 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_check  # noqa: E402
-from gpu_check import Check, Result, isolated, report, run_checks  # noqa: E402
-
 import gpu_wheels  # noqa: E402
+from gpu_check import Check, Result, isolated, report, run_checks  # noqa: E402
 
 
 def test_without_cuda_prints_the_plan_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
