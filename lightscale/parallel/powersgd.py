@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -174,17 +175,15 @@ class PowerSGD:
                 target.copy_(saved)
 
 
-def compressed_bytes(buckets: list[GradBucket], rank: int) -> int:
-    """Bytes PowerSGD all-reduces per step: 4(n + m)r per matrix (r clamped to min(n, m)), vectors whole."""
+def compressed_bytes(params: Iterable[Tensor], rank: int) -> int:
+    """Bytes PowerSGD all-reduces per step: (n + m)r elements per matrix (r clamped to min(n, m)), vectors whole."""
     total = 0
-    for bucket in buckets:
-        size = bucket.flat.element_size()
-        for param in bucket.params:
-            if param.ndim >= 2:
-                n, m = param.shape[0], param.numel() // param.shape[0]
-                total += size * (n + m) * min(n, m, rank)
-            else:
-                total += size * param.numel()
+    for param in params:
+        if param.ndim >= 2:
+            n, m = param.shape[0], param.numel() // param.shape[0]
+            total += param.element_size() * (n + m) * min(n, m, rank)
+        else:
+            total += param.element_size() * param.numel()
     return total
 
 
