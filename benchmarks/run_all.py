@@ -8,6 +8,7 @@ from pathlib import Path
 
 BENCHMARKS = [
     "bench_ddp.py",
+    "bench_powersgd.py",
     "bench_zero.py",
     "bench_cpu_adam.py",
     "bench_fsdp2.py",

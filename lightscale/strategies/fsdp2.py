@@ -128,7 +128,7 @@ class FSDP2Strategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        check_compression(compression)
+        check_compression(compression, self.precision_family)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
         check_degrees({"dp_replicate": dp_replicate, "dp_shard": dp_shard})  # at construction, not at setup

@@ -129,7 +129,7 @@ class ZeroStrategy(LightscaleStrategy):
     ) -> None:
         require_deepspeed()
         super().__init__(**kwargs)
-        check_compression(compression)
+        check_compression(compression, self.precision_family)
         self.compression = compression
         if checkpoint_format not in get_args(CheckpointFormat):
             raise ConfigurationError(

@@ -120,7 +120,8 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
         return
     per_rank = run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks, timeout_s=600)
     losses = [sum(step) / ranks for step in zip(*per_rank, strict=True)]
-    tolerance = 1e-2 if name == "bucketed_ddp_bf16" else TOLERANCE  # bf16 on the wire: 8 bits of mantissa
+    # bf16 on the wire: 8 bits of mantissa; PowerSGD: rank-4 factors with error feedback (measured 1.1e-3)
+    tolerance = 1e-2 if name in ("bucketed_ddp_bf16", "bucketed_ddp_powersgd") else TOLERANCE
     assert relative_difference(losses, single_process) <= tolerance
     assert single_process[-1] < single_process[0]  # it learned
 
