@@ -1,0 +1,7 @@
+"""DiLoCo and local SGD as a torch-only building block: :class:`OuterSync` (the Lightning strategy comes later)."""
+
+from lightscale.parallel.diloco.outer_sync import OuterSync, nesterov_outer_optimizer
+from lightscale.parallel.diloco.schedule import Schedule, split_fragments
+from lightscale.parallel.diloco.wire import Codec
+
+__all__ = ["Codec", "OuterSync", "Schedule", "nesterov_outer_optimizer", "split_fragments"]
