@@ -241,3 +241,27 @@ def test_state_dict_resumes_bitwise_mid_round() -> None:
         assert in_flight  # fragment 1 was sent at step 6 and lands at step 7
         for a, b in zip(uninterrupted, resumed, strict=True):
             assert torch.equal(a, b)
+
+
+# Compressed outer syncs stay close to the fp32 one (the decode and fp32 sum over workers are right) ----------------
+
+
+def _compressed(steps: int) -> dict[str, list[Tensor]]:
+    out = {"start": _params(_model())}
+    for compression in ("none", "bf16", "int8"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        sync = OuterSync(model.named_parameters(), sync_every=2, fragments=2, compression=compression)
+        for step in range(1, steps + 1):
+            _inner_step(model, opt, step, None)
+            sync.after_inner_step(step)
+        out[compression] = _params(model)
+    return out
+
+
+def test_compressed_syncs_track_fp32() -> None:
+    out = run_distributed(_compressed, 12, world_size=3)[0]
+    moved = max((a - b).abs().max().item() for a, b in zip(out["none"], out["start"], strict=True))
+    for compression, tolerance in (("bf16", 0.002), ("int8", 0.005)):
+        error = max((a - b).abs().max().item() for a, b in zip(out[compression], out["none"], strict=True))
+        assert 0 < error <= tolerance * moved
