@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 sys.path.insert(0, os.path.dirname(__file__))
 from common import interleaved, median, timed_trainer
 
-from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
+from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.strategies import FSDP2Strategy
 from lightscale.testing import run_distributed

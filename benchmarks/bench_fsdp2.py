@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.dirname(__file__))
 from common import LossStepTimer, interleaved, median, stub_trainer, timed_trainer
 
-from lightscale.parallel.fsdp import materialize_meta_module, rng_states
+from lightscale.parallel.fsdp import materialize_meta_module, torch_generator_states
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.testing import run_distributed
 
@@ -80,7 +80,7 @@ def _hand_written(steps: int, batch_size: int) -> tuple[list[float], list[float]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     stub = stub_trainer(WARMUP + steps)
     module = GPTModule(MODEL)
-    state = rng_states()
+    state = torch_generator_states()
     with torch.device("meta"):
         module.configure_model()
     for block in module.model.layers.values():

@@ -4,7 +4,7 @@ estimate, plan, doctor, convert.
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
 
-``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.plugins.resume``).
+``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.resume``).
 
 Example:
     $ lightscale fit --config gpt/tiny_ddp.yaml --trainer.max_steps 20
@@ -21,8 +21,19 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
+from lightscale.checkpoint.convert import (
+    check_target,
+    convert,
+    detect_source,
+    infer_target,
+    read_model_state,
+    write_model_state,
+)
+from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
+from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
 
@@ -98,9 +109,6 @@ def draw_schedule_command(argv: list[str]) -> None:
     """``lightscale schedule NAME --pp P --microbatches M [--stages-per-rank S] [--out FILE.png]``."""
     import argparse
 
-    from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
-    from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
-
     parser = argparse.ArgumentParser(prog="lightscale schedule", description="Draw a pipeline schedule to PNG.")
     parser.add_argument("name", choices=list(SCHEDULES))
     parser.add_argument("--pp", type=int, default=4)
@@ -144,8 +152,6 @@ def export(args: list[str], *, format: str = "auto") -> None:
     """
     import argparse
 
-    from lightscale.plugins.convert import detect_source, infer_target, read_model_state, write_model_state
-
     parser = argparse.ArgumentParser(prog="lightscale export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
     parser.add_argument("output", help="file to write: safetensors, or torch.save for a .pt/.pth/.bin name")
@@ -170,8 +176,6 @@ def convert_command(args: list[str]) -> None:
     (DCP or DeepSpeed directory, Lightning .ckpt, torch or safetensors state dict) as another format, offline."""
     import argparse
 
-    from lightscale.plugins.convert import check_target, convert, infer_target
-
     parser = argparse.ArgumentParser(prog="lightscale convert", description=convert_command.__doc__)
     parser.add_argument("input", help="a checkpoint directory or file")
     parser.add_argument("output", help="where to write (a file for safetensors/torch, a directory for dcp)")
@@ -194,22 +198,10 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export-fsdp2": partial(export, format="fsdp2"),
     "schedule": lambda args: draw_schedule_command(args),
     "doctor": lambda args: doctor_main(args),
-    "estimate": lambda args: _estimate_command(args),
-    "plan": lambda args: _plan_command(args),
+    "estimate": lambda args: estimate_command(resolve_config_args(args)),
+    "plan": lambda args: plan_command(resolve_config_args(args)),
     "convert": convert_command,
 }
-
-
-def _plan_command(args: list[str]) -> None:
-    from lightscale.estimate.plan import plan_command
-
-    plan_command(args)
-
-
-def _estimate_command(args: list[str]) -> None:
-    from lightscale.estimate.report import estimate_command
-
-    estimate_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:

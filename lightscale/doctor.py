@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
+from lightscale.testing import free_port
 
 ENV_THAT_MATTERS = (
     "MASTER_ADDR",
@@ -178,8 +179,6 @@ def run_rank(size_bytes: int, timeout_s: float, backend: str) -> str:
 
 def start_local_ranks(devices: int, argv: list[str]) -> int:
     """Run this command on ``devices`` local processes, one rank each; the worst exit code."""
-    from lightscale.testing import free_port
-
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(devices)}
     command = [sys.executable, "-m", "lightscale.cli", "doctor", *argv]
     ranks = [

@@ -47,9 +47,6 @@ class SavedTensors:
         self._hooks.__exit__(*exc)
         self._hooks = None
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def add(self, tensor: Tensor) -> None:
         """Count ``tensor``'s storage until the storage is freed (once however many tensors share it)."""
         storage = _local(tensor).untyped_storage()

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
-from lightscale.plugins.resume import check_resume, checkpoint_dir, resolve_resume
+from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
 from lightscale.strategies.registry import check_strategy, register_strategies
 
 
@@ -26,7 +26,7 @@ class Trainer(LightningTrainer):
 
     ``resume="auto"`` makes every ``fit`` continue from the newest complete checkpoint in the ModelCheckpoint's
     ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins. See
-    :mod:`lightscale.plugins.resume`.
+    :mod:`lightscale.resume`.
 
     Example:
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
-from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.checkpoint.layout import TRAINER_STATE
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.recipes.gpt import GPT, GPTConfig
 
 # Untied embeddings and 2 blocks: every pipeline split of the GPT recipe is possible (tied weights cannot span stages).
@@ -237,22 +237,22 @@ _GROUPS = "optimizer.param_groups."
 
 
 def zero_live_state(trainer: pl.Trainer) -> State:
-    """A ZeRO engine's full state (collective): fp32 masters and Adam moments gathered with DeepSpeed's public
-    ``safe_get_full_*`` calls, the optimizer step and each group's hyper-parameters, keyed like the layout."""
+    """A ZeRO engine's full state (collective): fp32 masters and the optimizer's per-element state gathered with
+    DeepSpeed's public ``safe_get_full_*`` calls, its scalar states and each group's hyper-parameters, keyed like the
+    layout (any torch optimizer: Adam's moments and step, SGD's momentum buffer, ...)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from lightscale.plugins.zero_portable import materialize_optimizer_state, optimizer_step
+    from lightscale.checkpoint.zero_portable import optimizer_state
 
     strategy = trainer.strategy
     zero = strategy.engine.optimizer
-    materialize_optimizer_state(zero)  # ZeRO-1/2 link their per-parameter views of the moments lazily
-    step = torch.tensor(float(optimizer_step(zero)))
+    keys, scalars = optimizer_state(zero)  # ZeRO-1/2 link their per-parameter views of the state lazily
     state: State = {}
     for name, param in strategy.lightning_module.named_parameters():
         state[f"model.{name}"] = safe_get_full_fp32_param(param).cpu().clone()
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in keys:
             state[f"optimizer.state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu().clone()
-        state[f"optimizer.state.{name}.step"] = step.clone()
+        state |= {f"optimizer.state.{name}.{key}": value.clone() for key, value in scalars.items()}
     for group, names in zip(zero.optimizer.param_groups, strategy._group_names, strict=True):
         settings = {key: value for key, value in group.items() if key != "params" and not key.startswith("_")}
         state |= {

@@ -27,6 +27,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightscale.comm_counter import CollectiveCounter, Traffic
+from lightscale.estimate.layout import layout_of
+from lightscale.estimate.model_states import bytes_per_parameter
+from lightscale.estimate.parameters import rank_parameter_sizes
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 
@@ -96,10 +99,6 @@ def traffic_per_rank(totals: dict[str, Traffic], ranks: int) -> float:
 
 def data_parallel_theory(trainer: Trainer, module: LightningModule) -> float | None:
     """2Ψ (DDP, ZeRO-1/2) or 3Ψ (ZeRO-3, FSDP): buffer bytes a data-parallel step moves, Ψ = gradient bytes."""
-    from lightscale.estimate.layout import layout_of
-    from lightscale.estimate.model_states import bytes_per_parameter
-    from lightscale.estimate.parameters import rank_parameter_sizes
-
     try:
         layout = layout_of(trainer.strategy, world_size=trainer.world_size)
         psi = sum(rank_parameter_sizes(module, layout))

@@ -41,7 +41,7 @@ def estimate_for(trainer: Trainer, module: LightningModule, batch: Any, **overri
 def _whole_network(strategy: Any, module: LightningModule) -> Iterator[None]:
     """Under a pipeline ``module.model`` is this rank's stages; the plan's stage names refer to the whole network,
     which parallel_3d keeps aside."""
-    network = getattr(strategy, "_network", None)
+    network = getattr(strategy, "whole_network", None)
     if network is None or not isinstance(getattr(module, "model", None), nn.Module):
         yield
         return

@@ -11,8 +11,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.throughput import Throughput
-from lightscale.model_state import ModelStateBytes, model_state_bytes
 
 
 class RunSummary(Callback):

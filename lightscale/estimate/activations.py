@@ -30,6 +30,7 @@ from torch import nn
 
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import TransformerShape
+from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 
 # Bytes of one activation element under a Trainer precision (autocast computes matmuls in half precision).
 ACTIVATION_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
@@ -117,8 +118,6 @@ def measure_activation_bytes(step: Callable[[], Any], *, module: nn.Module | Non
 
     Checkpointed units of ``module`` count their kept inputs (lightscale/saved_tensors.py).
     """
-    from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
-
     with SavedTensors() as saved:
         handles = count_checkpoint_inputs(checkpointed_modules(module), saved) if module is not None else []
         try:

@@ -1,7 +1,9 @@
 """What a strategy does to memory, as plain numbers: how each kind of state is split, and where it lives.
 
-Read from a strategy *object* (or a registered name, built without starting anything), so the estimator, the
-memory-chosen strategy and the profiler's report agree with what the strategy will really do.
+Each strategy class says it in its ``memory_layout(world_size)`` method (:class:`DescribesMemory`); a registered
+name is built from Lightning's ``StrategyRegistry`` (where lightscale's classes put themselves when defined)
+without starting anything, so the estimator, the memory-chosen strategy and the profiler's report agree with what
+the strategy will really do. This module knows no strategy class: the dependency runs strategies -> estimate.
 
 Example:
     >>> layout_of("zero3", world_size=64)
@@ -10,13 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies.mesh import ParallelDims
 
 Engine = Literal["torch", "deepspeed"]
 # DeepSpeed keeps whole (on every rank, beside the partition) each ZeRO-3 parameter this small.
@@ -57,107 +59,39 @@ class Layout:
         """Ranks that shard one ep rank's experts (FSDP over the inner data-parallel ranks)."""
         return max(1, self.dp_shard // self.ep)
 
-    @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage this layout amounts to (0: nothing sharded)."""
-        return 3 if self.shard_parameters else 2 if self.shard_gradients else 1 if self.shard_optimizer else 0
-
     def with_(self, **changes: Any) -> Layout:
         return replace(self, **changes)
 
 
-def layout_of(strategy: str | Strategy, *, world_size: int) -> Layout:
-    """The :class:`Layout` of a lightscale strategy (a registered name or an instance) on ``world_size`` ranks."""
+@runtime_checkable
+class DescribesMemory(Protocol):
+    """A strategy that can say how it holds the model on ``world_size`` ranks (every lightscale strategy)."""
+
+    def memory_layout(self, world_size: int) -> Layout: ...
+
+
+def layout_of(strategy: str | Strategy | Layout, *, world_size: int) -> Layout:
+    """The :class:`Layout` of a strategy (a registered name or an instance) on ``world_size`` ranks."""
+    if isinstance(strategy, Layout):
+        return strategy
     if isinstance(strategy, str):
-        name = strategy
-        strategy = _build(strategy)
-    else:
-        name = type(strategy).__name__
-    kind = type(strategy).__name__
-    readers = {
-        "BucketedDDPStrategy": _ddp,
-        "ZeroStrategy": _zero,
-        "FSDP2Strategy": _fsdp2,
-        "Parallel3DStrategy": _parallel_3d,
-    }
-    if kind == "FitMemoryStrategy":
+        return build_registered(strategy).memory_layout(world_size).with_(name=strategy)
+    if not isinstance(strategy, DescribesMemory):
         raise ConfigurationError(
-            "fit_memory chooses its strategy when training starts: `lightscale plan` prints the candidates and its "
-            "choice; estimate one of them by name (e.g. --trainer.strategy zero3)."
+            f"No memory layout for {type(strategy).__name__}: lightscale estimates strategies with a memory_layout "
+            "method (run `lightscale strategies` for the names)."
         )
-    if kind not in readers:
-        raise ConfigurationError(f"No memory layout for {kind}; lightscale estimates {', '.join(readers)}.")
-    return readers[kind](strategy, name, world_size)
+    return strategy.memory_layout(world_size)
 
 
-def _build(name: str) -> Strategy:
-    from lightscale.strategies.registry import check_strategy, register_strategies
-
-    register_strategies()
-    check_strategy(name)
+def build_registered(name: str) -> DescribesMemory:
+    """The strategy registered as ``name`` in Lightning's ``StrategyRegistry``, built (nothing starts)."""
     if name not in StrategyRegistry:
-        raise ConfigurationError(f"{name!r} is not a lightscale strategy; run `lightscale strategies` for the names.")
+        closest = difflib.get_close_matches(name.lower(), StrategyRegistry.available_strategies(), n=1, cutoff=0.5)
+        hint = f" Did you mean {closest[0]!r}?" if closest else ""
+        raise ConfigurationError(f"Unknown strategy {name!r}.{hint} Run `lightscale strategies` for the names.")
     entry = StrategyRegistry[name]
-    return entry["strategy"](**entry["init_params"])
-
-
-def _ddp(strategy: Any, name: str, world_size: int) -> Layout:
-    return Layout(name, world_size, dp_replicate=world_size)
-
-
-def _zero(strategy: Any, name: str, world_size: int) -> Layout:
-    stage = strategy.options.stage
-    zero = strategy.user_config.get("zero_optimization", {})
-    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
-    return Layout(
-        name,
-        world_size,
-        engine="deepspeed",
-        shard_optimizer=True,
-        shard_gradients=stage >= 2,
-        shard_parameters=stage == 3,
-        dp_shard=world_size,
-        offload_optimizer=strategy.options.offload_optimizer,
-        offload_parameters=strategy.options.offload_params,
-        persistence_threshold=threshold if stage == 3 else 0,
-    )
-
-
-def _fsdp2(strategy: Any, name: str, world_size: int) -> Layout:
-    dims = ParallelDims(world_size=world_size, dp_replicate=strategy.dp_replicate, dp_shard=strategy.dp_shard)
-    return Layout(
-        name,
-        world_size,
-        shard_optimizer=True,
-        shard_gradients=True,
-        shard_parameters=True,
-        dp_shard=dims.dp_shard,
-        dp_replicate=dims.dp_replicate,
-        offload_optimizer=strategy.offload,
-        offload_parameters=strategy.offload,
-        activation_checkpointing=strategy.activation_checkpointing,
-    )
-
-
-def _parallel_3d(strategy: Any, name: str, world_size: int) -> Layout:
-    dims = strategy.parallel_dims(world_size)
-    dense_shard = dims.dp_shard * dims.ep  # FSDP2 shards the dense part over the ep ranks too
-    sharded = dense_shard > 1
-    return Layout(
-        name,
-        world_size,
-        shard_optimizer=sharded,
-        shard_gradients=sharded,
-        shard_parameters=sharded,
-        dp_shard=dense_shard,
-        dp_replicate=dims.dp_replicate,
-        tp=dims.tp,
-        pp=dims.pp,
-        ep=dims.ep,
-        stages_per_rank=strategy.stages_per_rank if dims.pp > 1 else 1,
-        microbatches=strategy.microbatches,
-        v_shape=strategy.schedule == "zbv",
-        activation_checkpointing=strategy.activation_checkpointing,
-        sequence_parallel=strategy.sequence_parallel and dims.tp > 1,
-        loss_parallel=strategy.loss_parallel and dims.tp > 1,
-    )
+    strategy = entry["strategy"](**entry["init_params"])
+    if not isinstance(strategy, DescribesMemory):
+        raise ConfigurationError(f"{name!r} is not a lightscale strategy; run `lightscale strategies` for the names.")
+    return strategy

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import network_of, tp_plan_of
+from lightscale.parallel.moe import MoE
 from lightscale.parallel.pipeline import stage_ids
 from lightscale.parallel.tensor_parallel import matching_modules
 
@@ -46,8 +47,6 @@ def rank_parameter_split(module: nn.Module, layout: Layout) -> tuple[list[int], 
 
 def _routed_expert_parameters(network: nn.Module) -> set[str]:
     """Names of the stacked routed-expert weights (expert parallelism splits them on dim 0; shared experts stay)."""
-    from lightscale.parallel.moe import MoE
-
     return {
         f"{name}.experts.{pname}"
         for name, sub in network.named_modules()

@@ -135,7 +135,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 # ---- materialization from the meta device ----------------------------------------------------------------
-def rng_states() -> dict[str, torch.Tensor]:
+def torch_generator_states() -> dict[str, torch.Tensor]:
     """The CPU (and, if present, current CUDA) generator states, to replay initialization later."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -143,7 +143,7 @@ def rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
-def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+def _set_torch_generator_states(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
@@ -158,7 +158,7 @@ def materialize_meta_module(
     Every module with ``reset_parameters`` (in ``modules()`` order = construction order) draws its own
     parameters into full-size temporaries on every rank, with the same RNG; each rank keeps its slice. A
     parameter shared with an earlier module (tied weights) keeps the earlier draw, as the constructor does.
-    ``rng_state`` (from :func:`rng_states`) is taken just before the model was built on the meta device.
+    ``rng_state`` (from :func:`torch_generator_states`) is taken just before the model was built on the meta device.
     """
     _check_materializable(model)
     kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
@@ -168,7 +168,7 @@ def materialize_meta_module(
         if callable(getattr(module, "reset_buffers", None)):
             module.reset_buffers()
     if rng_state is not None:
-        _set_rng_states(rng_state)
+        _set_torch_generator_states(rng_state)
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         already = own and all(id(p) in done for p in own)  # built for real: its draws preceded the snapshot
@@ -245,19 +245,3 @@ def _copy_local_slice(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
-
-
-# ---- gradient clipping over shards -----------------------------------------------------------------------
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by the norm of the *full* gradient (all shards of all parameters); return that norm.
-
-    With DTensor gradients the per-tensor norms are partial (one shard each); ``full_tensor()`` reduces them
-    across the mesh, so every rank scales by the same coefficient as single-process training would.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
 from lightscale.parallel.fsdp import apply_fsdp
+from lightscale.parallel.mesh import data_parallel_mesh
 from lightscale.parallel.moe import MoE
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 
@@ -38,19 +39,6 @@ class ParallelizeOptions:
     offload_policy: OffloadPolicy | None = None
     reshard_after_forward: bool = True
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
-
-
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``dp_shard`` axis, or ``(dp_replicate, dp_shard)`` when replicas exist (HSDP; shard 1 = replication).
-
-    With expert parallelism the dense part shards over ``dp_shard x ep`` (every rank with a batch of its own).
-    """
-    if mesh["ep"].size() > 1:
-        assert mesh["dp_replicate"].size() == 1, "expert parallelism with replicated data parallelism is refused"
-        return mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
 
 
 def parallelize_model(

@@ -1,6 +1,5 @@
-"""Plugins a strategy owns: precision and checkpoint I/O."""
+"""Precision plugins a strategy owns and the precision contract they follow (checkpoints: lightscale.checkpoint)."""
 
-from lightscale.plugins.checkpoint import SafeCheckpointIO, allow_in_checkpoints
 from lightscale.plugins.precision import check_precision
 
-__all__ = ["SafeCheckpointIO", "allow_in_checkpoints", "check_precision"]
+__all__ = ["check_precision"]

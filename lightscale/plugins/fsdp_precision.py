@@ -3,7 +3,9 @@
 FSDP2 casts the all-gathered parameters to ``param_dtype`` for compute and reduces gradients in
 ``reduce_dtype``; the sharded parameters (master weights) and the optimizer stay fp32. So the Lightning
 plugin only keeps the parts FSDP does not do: the loss scaler for fp16 (a ``ShardedGradScaler``, whose
-inf/NaN check agrees across ranks) and gradient-norm clipping over the full, sharded gradient.
+inf/NaN check agrees across ranks) and gradient-norm clipping over the full, sharded gradient. ``parallel_3d``
+runs the same plugins (:func:`parallel_3d_precision_plugin`), with autocast where FSDP does not cast, and clips
+over the pipeline group too: Lightning clips through the precision plugin, so the plugin is the hook.
 
 =============  ===================================  =====================
 precision      MixedPrecisionPolicy                 loss scaling
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -30,18 +33,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.fsdp import clip_grad_norm_
-from lightscale.plugins.precision_contract import DTYPES
+from lightscale.parallel.grad_norm import clip_grad_norm_
+from lightscale.plugins.precision_contract import DTYPES, PRECISIONS, normalize_precision
 
 
 def precision_name(plugin: Precision) -> str:
     """The precision name a Lightning plugin stands for (``32-true`` for the plain plugin)."""
-    name = str(getattr(plugin, "precision", "32-true"))
-    name = "32-true" if name == "32" else name
-    if name not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+    name = normalize_precision(getattr(plugin, "precision", "32-true"))
+    if name not in PRECISIONS:
         raise ConfigurationError(
-            f"precision={name!r} is not supported by lightscale's strategies; choose 32-true, bf16-mixed, 16-mixed or "
-            "bf16-true."
+            f"precision={name!r} is not supported by lightscale's strategies; choose {', '.join(PRECISIONS[:-1])} or "
+            f"{PRECISIONS[-1]}."
         )
     return name
 
@@ -58,11 +60,14 @@ def mp_policy(precision: str, compression: str = "none", *, cast_params: bool = 
 
 
 class _ShardedClipping:
-    """Norm clipping over the full gradient: per-shard norms reduced across the mesh (DTensor)."""
+    """Norm clipping over the full gradient: per-shard norms reduced across the mesh (DTensor), and squared norms
+    summed over ``pp_group`` when pipeline stages hold disjoint parameters."""
+
+    pp_group: dist.ProcessGroup | None = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, float(clip_val))
+        clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group)
 
 
 class FSDP2Precision(_ShardedClipping, Precision):
@@ -88,6 +93,10 @@ class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
     """bf16-true: the module is converted to bf16 before sharding, as under any strategy."""
 
 
+class AutocastPrecision(_ShardedClipping, MixedPrecision):
+    """bf16/fp16 compute by autocast (no FSDP cast: a pipeline stage, or tp without data parallelism)."""
+
+
 def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
     """The plugin that goes with :func:`mp_policy` for ``precision``."""
     if precision in ("bf16-mixed", "16-mixed"):
@@ -95,6 +104,21 @@ def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
     if precision == "bf16-true":
         return FSDP2HalfPrecision("bf16-true")
     return FSDP2Precision()
+
+
+def parallel_3d_precision_plugin(
+    precision: str, device: str, *, fsdp_casts: bool, pp_group: dist.ProcessGroup | None
+) -> Precision:
+    """``parallel_3d``'s plugin: FSDP's policy casts when FSDP wraps the whole module (exactly as under ``fsdp2``),
+    else autocast, with one skip-or-step decision for fp16 over all ranks (found-inf summed over WORLD); clipping
+    spans dp x tp x pp."""
+    if fsdp_casts or precision not in ("bf16-mixed", "16-mixed"):
+        plugin = fsdp2_precision_plugin(precision, device)
+    else:
+        scaler = MixedTensorGradScaler(device=device) if precision == "16-mixed" else None
+        plugin = AutocastPrecision(precision, device, scaler=scaler)  # type: ignore[arg-type]
+    plugin.pp_group = pp_group  # type: ignore[attr-defined]
+    return plugin
 
 
 class MixedTensorGradScaler(ShardedGradScaler):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.precision_contract import Family, refuse_impossible
+from lightscale.plugins.precision_contract import PRECISIONS, Family, normalize_precision, refuse_impossible
 
-SUPPORTED = ("32", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
+SUPPORTED = ("32", *PRECISIONS)  # Lightning's "32" too: normalize_precision reads it as "32-true"
 
 
 def check_precision(precision: str | int | None) -> None:
@@ -38,7 +39,7 @@ def check_strategy_precision(strategy: object, precision: str | int | None, acce
     family = _precision_family(strategy)
     if family is None or precision is None:
         return
-    name = "32-true" if str(precision) in ("32", "32-true") else str(precision)
+    name = normalize_precision(precision)
     on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
     compression = getattr(strategy, "compression", "none")  # an instance's argument; a name's class has none
     compression = compression if isinstance(compression, str) else "none"
@@ -47,7 +48,5 @@ def check_strategy_precision(strategy: object, precision: str | int | None, acce
 
 def _precision_family(strategy: object) -> Family | None:
     if isinstance(strategy, str):
-        from lightning.pytorch.strategies import StrategyRegistry
-
         strategy = dict.get(StrategyRegistry, strategy.lower(), {}).get("strategy")  # the class, not an instance
     return getattr(strategy, "precision_family", None)

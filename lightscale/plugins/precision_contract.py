@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -28,16 +29,11 @@ from lightscale.errors import ConfigurationError
 Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
 Compression = Literal["none", "bf16", "fp16"]
 FAMILIES: tuple[Family, ...] = ("bucketed_ddp", "zero", "fsdp2", "parallel_3d")
+# The one list of precision names lightscale gives a meaning to (Lightning's "32" is normalised to "32-true").
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 COMPRESSIONS = ("none", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
-MEMBERS: dict[Family, str] = {
-    "bucketed_ddp": "`bucketed_ddp`, `bucketed_ddp_bf16`",
-    "zero": "`zero1`, `zero2`, `zero2_offload`, `zero3`, `zero3_offload`, `zero_infinity`",
-    "fsdp2": "`fsdp2`, `fsdp2_grad_op`, `hsdp`, `fsdp2_offload`",
-    "parallel_3d": "`parallel_3d`, `tp2`, `pp2`, `tp2_pp2`, `ep2`, `ep2_pp2`, `ep2_tp2`",
-}
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,12 @@ _DIFFERENT = {
 _REFUSED = {
     ("zero", "16-mixed", "cpu"): "DeepSpeed's CPU accelerator has no fp16 support (its fp16 engine needs CUDA)",
 }
+
+
+def normalize_precision(precision: str | int) -> str:
+    """The contract's name for a Trainer ``precision``: Lightning's ``32`` / ``"32"`` is ``32-true``."""
+    name = str(precision)
+    return "32-true" if name == "32" else name
 
 
 def meaning(family: Family, precision: str, *, compression: str = "none") -> Meaning:
@@ -181,9 +183,13 @@ def check_compression(compression: str) -> None:
         )
 
 
-def render_table() -> str:
-    """The markdown table of docs/plugins/precision.md (a test keeps the page equal to it)."""
-    lines = [
+def render_table(members: Mapping[str, Sequence[str]]) -> str:
+    """The markdown tables of docs/plugins/precision.md (a test keeps the page equal to it): which strategy names
+    belong to each family (``members``: ``lightscale.strategies.registry.family_members()``), then the contract."""
+    lines = ["| family | strategy names |", "|---|---|"]
+    lines += [f"| {family} | {', '.join(f'`{name}`' for name in members.get(family, ()))} |" for family in FAMILIES]
+    lines += [
+        "",
         "| family | precision | parameters | compute | gradient reduce | fp32 master | optimizer state | "
         "loss scaling | how | engine difference (warned at start-up) |",
         "|---|---|---|---|---|---|---|---|---|---|",

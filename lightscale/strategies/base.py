@@ -3,16 +3,20 @@
 What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
 parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
 plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
-(lightscale/plugins/distributed_checkpoint.py: any strategy's, at any world size), and teardown.
+(lightscale/checkpoint/layout.py: any strategy's, at any world size), and teardown.
 
-What a subclass supplies:
+What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
+    * ``configure_precision(plugin)`` - the precision plugin it runs with, checked against the precision contract;
     * ``apply_parallelism(module)`` - wrap/shard/hook the single-device model for training;
-    * optionally, taking over the step: ``backward`` (a pipeline schedule runs forward+backward of every
-      microbatch there, because Lightning calls ``zero_grad`` between ``training_step`` and ``backward``)
-      and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
-    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry``.
-See docs/architecture.md for the call path of one training step.
+    * ``step_context(step)`` - entered around every step (loss parallelism, serving a pipeline);
+    * optionally, taking over the step: ``backward`` (a pipeline schedule has already run backward in
+      ``training_step``) and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
+    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry`` (and lightscale's list of classes)
+      when the class is defined, also in a user's own file;
+    * ``precision_family`` - its column of the precision contract; ``plannable`` - which names ``fit_memory`` /
+      ``lightscale plan`` may choose; ``memory_layout(world_size)`` - how it holds the model, for the estimator.
+See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -45,20 +51,25 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightscale.checkpoint.async_save import AsyncCheckpointWriter
+from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.rng import restore_rng_states
+from lightscale.checkpoint.safe_io import SafeCheckpointIO
+from lightscale.checkpoint.shape_check import check_state_dict_shapes
+from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
-from lightscale.plugins.checkpoint import SafeCheckpointIO
-from lightscale.plugins.distributed_checkpoint import LAYOUT_FORMAT, TRAINER_STATE, load_sharded, save_sharded
-from lightscale.plugins.rng_state import gather_rng_states, restore_rng_states
-from lightscale.plugins.shape_check import check_shapes, tensor_shapes
-from lightscale.plugins.shared_dir import check_shared_dir
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
+from lightscale.parallel.mesh import ParallelDims
+from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.failure import announce_failure, watch_for_failures
 from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
-from lightscale.strategies.mesh import ParallelDims
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
+# Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
+REGISTERED: list[type[LightscaleStrategy]] = []
 
 # A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
 # and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten
@@ -76,15 +87,36 @@ class LightscaleStrategy(ParallelStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
-    CPU memory; lightscale/plugins/async_checkpoint.py), on strategies that save through this class's
+    CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
     ``save_checkpoint`` (the portable layout).
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
+    precision_family: ClassVar[Family | None] = None  # its column of the precision contract (precision_contract.py)
+    plannable: ClassVar[tuple[Plannable, ...]] = ()  # names the planner may choose (lightscale/estimate/plan.py)
     # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
     # unsharded model; sharded strategies read the layout alone.
     reads_single_files: ClassVar[bool] = True
-    precision_family: ClassVar[str | None] = None  # its column of the precision contract (precision_contract.py)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("aliases"):
+            if cls.precision_family is not None:
+                check_family(cls.precision_family)
+            own = set(cls.__dict__["aliases"])
+            REGISTERED[:] = [known for known in REGISTERED if not own & set(known.__dict__["aliases"])]
+            REGISTERED.append(cls)
+            cls.register_strategies(StrategyRegistry)
+
+    def memory_layout(self, world_size: int) -> Layout:
+        """How one rank holds the model on ``world_size`` ranks (lightscale/estimate/layout.py); each family says."""
+        described = [
+            known.__name__ for known in REGISTERED if known.memory_layout is not LightscaleStrategy.memory_layout
+        ]
+        raise ConfigurationError(
+            f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
+        )
 
     def __init__(
         self,
@@ -114,13 +146,14 @@ class LightscaleStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._root: nn.Module | None = None  # where FSDP roots: the LightningModule itself makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
         self.checkpoint_writer = self._async_writer(async_save)
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
-        """The background writer of ``async_save=True`` (lightscale/plugins/async_checkpoint.py), or ``None``."""
+        """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
         if not async_save:
             return None
         if not _saves_portable_layout(type(self)):
@@ -180,11 +213,7 @@ class LightscaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks that share a batch (tensor/pipeline parallel) share a data shard; expert-parallel ranks do not (they
-        # are data-parallel ranks that exchange tokens). Mesh order is (pp, dp_replicate, dp_shard, ep, tp), tp
-        # fastest: the (dp, ep) index has stride tp.
-        dims = self.dims
-        return {"num_replicas": dims.data_shards, "rank": self.global_rank // dims.tp % dims.data_shards}
+        return self.dims.sampler_kwargs(self.global_rank)  # ranks sharing a batch (tp, pp) share a data shard
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -246,27 +275,62 @@ class LightscaleStrategy(ParallelStrategy):
     # ---- the model ---------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
+        """The one setup template: precision plugin, parallelism applied from outside, optimizers (when fitting)."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin = self.configure_precision(self.precision_plugin)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # sync_batchnorm=True
+        if fitting and self._layer_sync:  # sync_batchnorm=True
             self.model = self._layer_sync.apply(self.model)
         # Evaluation runs the parallelized model too (sharded, pipelined), after fit and in a fresh process alike.
         self.model = self.apply_parallelism(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()  # no rank starts a step (its collectives) before every rank's model is ready
 
-    def call_step(self, root: nn.Module | None, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the LightningModule's ``step``; through its ``__call__`` (Lightning's forward redirection) when the
-        module is itself the root of a wrapper whose forward hooks must run (FSDP gathering its parameters)."""
+    def configure_precision(self, plugin: Precision) -> Precision:
+        """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
+        return plugin
+
+    # ---- the step: Lightning's four step methods, one template ---------------------------------------------
+    def step_context(self, step: str) -> AbstractContextManager:
+        """Entered around each step (``"training_step"``, ...), outside the precision plugin's context."""
+        return nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("training_step"), self.precision_plugin.train_step_context():
+            return self.call_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("validation_step"), self.precision_plugin.val_step_context():
+            return self.call_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("test_step"), self.precision_plugin.test_step_context():
+            return self.call_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context("predict_step"), self.precision_plugin.predict_step_context():
+            return self.call_step("predict_step", *args, **kwargs)
+
+    def call_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``step``: through a wrapper's forward (DeepSpeed's engine), or through the
+        module's own ``__call__`` when FSDP roots at it (its hooks gather the parameters); Lightning's forward
+        redirection does both."""
         module = self.lightning_module
-        if root is module:
+        assert module is not None and self.model is not None
+        if self.model is not module:
+            return self._forward_redirection(self.model, module, step, *args, **kwargs)
+        if self._root is module:
             return self._forward_redirection(module, module, step, *args, **kwargs)
         return getattr(module, step)(*args, **kwargs)
 
@@ -289,7 +353,7 @@ class LightscaleStrategy(ParallelStrategy):
 
     def check_checkpoint_dir(self, directory: str | Path) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
-        runs only; see lightscale/plugins/shared_dir.py). Each rank probes the path it resolved itself: the same
+        runs only; see lightscale/checkpoint/shared_dir.py). Each rank probes the path it resolved itself: the same
         string naming different directories on different nodes is exactly the case to catch."""
         if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
             return
@@ -333,7 +397,11 @@ class LightscaleStrategy(ParallelStrategy):
                 where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
         return where
 
-    # ---- checkpoints: the portable layout (lightscale/plugins/distributed_checkpoint.py) ------------------------
+    # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) --------------------------------
+    # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
+    # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
+    weights_settable_after_setup: ClassVar[bool] = True
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -356,10 +424,9 @@ class LightscaleStrategy(ParallelStrategy):
             save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer."""
-        rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-        writer = {"format": LAYOUT_FORMAT, "strategy": type(self).__name__, "world_size": self.world_size}
-        return {**rest, "lightscale": {**writer, "rng": gather_rng_states()}}
+        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
+        holding every rank's random state (collective)."""
+        return trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -379,7 +446,7 @@ class LightscaleStrategy(ParallelStrategy):
         the first batch: creating the data iterator after the load draws from torch's RNG."""
         meta = self.checkpoint_io.load_checkpoint(checkpoint_dir / TRAINER_STATE)
         if fitting:
-            self._saved_rng_states = meta.get("lightscale", {}).get("rng")
+            self._saved_rng_states = saved_rng_states(meta)
         return meta
 
     @override
@@ -393,15 +460,16 @@ class LightscaleStrategy(ParallelStrategy):
         """A single file (the layout was loaded in load_checkpoint); a differently shaped model's is refused naming
         the keys and shapes."""
         if "state_dict" in checkpoint:
-            model = tensor_shapes(self.lightning_module.state_dict())
-            check_shapes(tensor_shapes(checkpoint["state_dict"]), model, "the checkpoint (ckpt_path)")
+            check_state_dict_shapes(
+                checkpoint["state_dict"], self.lightning_module.state_dict(), "the checkpoint (ckpt_path)"
+            )
             super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (description, init_params) in cls.aliases.items():
+        for name, (description, init_params) in cls.__dict__.get("aliases", {}).items():  # not the parent's
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     @override

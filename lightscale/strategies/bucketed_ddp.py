@@ -10,10 +10,13 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import enforce_contract
@@ -39,6 +42,12 @@ class BucketedDDPStrategy(LightscaleStrategy):
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
     }
+    plannable = (Plannable("bucketed_ddp", "2Ψ", "replicated states, one all-reduce of the gradients"),)
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Every state replicated on every rank."""
+        return Layout(type(self).__name__, world_size, dp_replicate=world_size)
 
     def __init__(
         self,
@@ -58,10 +67,10 @@ class BucketedDDPStrategy(LightscaleStrategy):
         self.reducer: BucketedGradReducer | None = None
 
     @override
-    def setup(self, trainer: Trainer) -> None:
-        name = precision_name(self.precision_plugin)
-        enforce_contract("bucketed_ddp", name, device_type=self.root_device.type, compression=self.compression)
-        super().setup(trainer)
+    def configure_precision(self, plugin: Precision) -> Precision:
+        name = precision_name(plugin)
+        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
+        return plugin
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:

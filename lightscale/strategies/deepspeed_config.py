@@ -152,16 +152,23 @@ def build_config(
     precision: str,
     compression: str = "none",
     user_config: dict[str, Any] | None = None,
+    torch_optimizer_on_host: bool = False,
 ) -> dict[str, Any]:
-    """The full engine config: the Trainer's and strategy's settings plus the user's validated extras."""
+    """The full engine config: the Trainer's and strategy's settings plus the user's validated extras.
+
+    ``torch_optimizer_on_host``: the optimizer is not DeepSpeed's CPU Adam; under optimizer offload it steps the
+    host partitions as itself, which DeepSpeed refuses unless ``zero_force_ds_cpu_optimizer`` is False.
+    """
     user = copy.deepcopy(user_config or {})
     validate_user_config(user)
     zero = {**user.pop("zero_optimization", {}), **zero_section(options)}
+    on_host = torch_optimizer_on_host and options.offload_optimizer
     return {
         # Any torch optimizer steps the ZeRO partitions (SGD, Lion, ...), as under Lightning's DeepSpeed strategy;
         # DeepSpeed otherwise asserts on every optimizer it did not write. The user's config may still say False.
         "zero_allow_untested_optimizer": True,
         **user,
+        **({"zero_force_ds_cpu_optimizer": False} if on_host else {}),
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulate,
         "gradient_clipping": float(gradient_clip_val or 0.0),

@@ -1,18 +1,31 @@
-"""Pieces around DeepSpeed's engine that the ZeRO strategy uses: the module the engine wraps, the accumulation
-boundary, CPU Adam from the user's optimizer, and the NVMe check.
+"""Pieces around DeepSpeed's engine that the ZeRO strategy uses: the installed-or-not check, the module the engine
+wraps, the accumulation boundary, the optimizer that steps offloaded state (CPU Adam or the user's own), and the
+NVMe check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+
+
+def require_deepspeed() -> None:
+    """Refuse a ZeRO strategy at construction when DeepSpeed is absent (it is an extra: a source build)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigurationError(
+            "The ZeRO strategies (zero1 ... zero_infinity) run on DeepSpeed, which is not installed. Install the "
+            "extra: pip install 'lightscale[deepspeed]' (DeepSpeed builds from source; docs/strategies/zero.md). "
+            "Every other strategy works without it."
+        )
 
 
 class EngineRoot(nn.Module):
@@ -48,13 +61,35 @@ def not_a_boundary(engine: Any):
         engine.set_gradient_accumulation_boundary(True)
 
 
+def check_zero_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what DeepSpeed would silently change: it rebuilds Adagrad over its flat partitions as one group."""
+    if isinstance(optimizer, torch.optim.Adagrad) and len(optimizer.param_groups) > 1:
+        raise ConfigurationError(
+            f"Adagrad with {len(optimizer.param_groups)} parameter groups under ZeRO: DeepSpeed rebuilds Adagrad with "
+            "one group and the defaults, dropping each group's settings. Use one group, or fsdp2 / bucketed_ddp."
+        )
+
+
+def host_optimizer(optimizer: torch.optim.Optimizer, user_config: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer that steps the offloaded fp32 partitions, with one info line (rank 0) saying which it is.
+
+    Adam/AdamW step as DeepSpeed's CPU Adam, unless the config says ``zero_force_ds_cpu_optimizer: False``; any other
+    torch optimizer steps as itself, torch's own implementation on the host (DeepSpeed allows it when that key is
+    False, which build_config then writes).
+    """
+    name = type(optimizer).__name__
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    if adam and user_config.get("zero_force_ds_cpu_optimizer") is not False:
+        rank_zero_info(f"lightscale: optimizer offload steps {name} as DeepSpeed's CPU Adam on the host.")
+        return cpu_adam_from(optimizer)
+    rank_zero_info(f"lightscale: optimizer offload steps {name} with torch's own implementation on the host.")
+    return optimizer
+
+
 def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam with ``optimizer``'s parameter groups and hyper-parameters (Adam or AdamW only)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ConfigurationError(
-            f"Optimizer offload runs Adam/AdamW as DeepSpeed's CPU Adam, got {type(optimizer).__name__}. Use "
-            "Adam/AdamW, or pass config={'zero_force_ds_cpu_optimizer': False} to step your optimizer on the CPU."
-        )
+        raise TypeError(f"cpu_adam_from takes Adam or AdamW, got {type(optimizer).__name__}.")
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

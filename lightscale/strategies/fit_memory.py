@@ -1,8 +1,8 @@
 """``fit_memory``: the least-communication strategy whose memory estimate fits the device, chosen at fit time.
 
-When the Trainer attaches the model, the candidates of lightscale/estimate/plan.py are estimated for this model,
-world size, precision and micro-batch (the data module's ``batch_size``); the table is printed, and this strategy
-object becomes the chosen one (its class and state, keeping what the Trainer already gave it: devices, cluster
+When the Trainer attaches the model, the names each strategy class declares ``plannable`` are estimated for this
+model, world size, precision and micro-batch (the data module's ``batch_size``); the table is printed, and this
+strategy object becomes the chosen one (its class and state, keeping what the Trainer already gave it: devices, cluster
 environment, precision and checkpoint plugins, launcher). The name avoids Lightning's ``"auto"``, which picks by
 hardware, not by memory.
 
@@ -24,7 +24,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import choose, device_budget, format_plan, plan
+from lightscale.estimate.report import parse_bytes
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.registry import plan_candidates
 
 # What the Trainer's connector set on this object before fit; the chosen strategy keeps it.
 _CONNECTED = (
@@ -54,22 +58,26 @@ class FitMemoryStrategy(LightscaleStrategy):
         "fit_memory": ("the least-communication strategy whose memory estimate fits the device (lightscale plan)", {})
     }
 
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        raise ConfigurationError(
+            "fit_memory chooses its strategy when training starts: `lightscale plan` prints the candidates and its "
+            "choice; estimate one of them by name (e.g. --trainer.strategy zero3)."
+        )
+
     def __init__(self, *, memory_budget: float | str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        from lightscale.estimate.report import parse_bytes
-
         self.memory_budget = parse_bytes(memory_budget) if isinstance(memory_budget, str) else memory_budget
         self.plan_table = ""
 
     @override
     def connect(self, model: LightningModule) -> None:  # type: ignore[override]
-        from lightscale.estimate.plan import choose, device_budget, format_plan, plan
-
         budget = self.memory_budget or device_budget(self.num_processes)
         trainer = model.trainer
         with _untouched(model):  # the estimate builds the model on meta; the real build comes later
             candidates = plan(
                 model,
+                plan_candidates(),
                 world_size=self.num_nodes * self.num_processes,
                 budget=budget,
                 precision=str(trainer.precision),

@@ -12,7 +12,7 @@ name               what is sharded                                              
 The model is built on the meta device in ``configure_model`` and materialized shard by shard after
 sharding (values equal single-device init with the same seed); then activation checkpointing, optional
 per-block compile and ``fully_shard`` are applied from outside (lightscale/parallel/). Checkpoints are
-DCP directories (lightscale/plugins/distributed_checkpoint.py) that load on any number of ranks.
+DCP directories (lightscale/checkpoint/layout.py) that load on any number of ranks.
 """
 
 from __future__ import annotations
@@ -23,23 +23,24 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
-from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, rng_states, set_gradient_sync
+from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, set_gradient_sync, torch_generator_states
+from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.mesh import ParallelDims
 
 
 class FSDP2Strategy(LightscaleStrategy):
@@ -79,6 +80,36 @@ class FSDP2Strategy(LightscaleStrategy):
         ),
         "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
     }
+    plannable = (
+        Plannable("fsdp2", "3Ψ", "+ parameters sharded, re-gathered in backward"),
+        Plannable(
+            "fsdp2", "3Ψ", "+ activations recomputed per block (a second forward)", activation_checkpointing="full"
+        ),
+        Plannable(
+            "fsdp2_offload",
+            "3Ψ + host",
+            "+ states in host memory (the optimizer steps on the CPU)",
+            activation_checkpointing="full",
+        ),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Every state sharded over ``dp_shard`` ranks (replicated over ``dp_replicate`` groups), offload to host."""
+        dims = self.parallel_dims(world_size)
+        return Layout(
+            type(self).__name__,
+            world_size,
+            shard_optimizer=True,
+            shard_gradients=True,
+            shard_parameters=True,
+            dp_shard=dims.dp_shard,
+            dp_replicate=dims.dp_replicate,
+            offload_optimizer=self.offload,
+            offload_parameters=self.offload,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
     reads_single_files = False
 
     def __init__(
@@ -100,9 +131,7 @@ class FSDP2Strategy(LightscaleStrategy):
         check_compression(compression)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
-        for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
-            if degree != -1 and (not isinstance(degree, int) or degree < 1):  # refuse at construction, not at setup
-                raise ConfigurationError(f"{name}={degree!r} is not valid: use a positive degree or -1 (infer).")
+        check_degrees({"dp_replicate": dp_replicate, "dp_shard": dp_shard})  # at construction, not at setup
         self.unit_classes = tuple(unit_classes) if unit_classes is not None else None
         self.reshard_after_forward = reshard_after_forward
         self.dp_replicate = dp_replicate
@@ -114,19 +143,11 @@ class FSDP2Strategy(LightscaleStrategy):
         self.meta_init = meta_init
         self.compression = compression
         self._rng_state: dict[str, torch.Tensor] | None = None
-        self._root: nn.Module | None = None  # where FSDP roots: the network child or the LightningModule
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(world_size=world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
-
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
-        if self.dims.dp_replicate > 1:
-            return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_shard"]
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -136,23 +157,15 @@ class FSDP2Strategy(LightscaleStrategy):
         if not self.meta_init:
             yield
             return
-        self._rng_state = rng_states()  # materialization replays init from here
+        self._rng_state = torch_generator_states()  # materialization replays init from here
         with torch.device("meta"):
             yield
 
     @override
-    def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        name = precision_name(self.precision_plugin)
-        enforce_contract("fsdp2", name, device_type=self.root_device.type, compression=self.compression)
-        self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
-        self.precision_plugin.convert_module(self.model)
-        self.model = self.apply_parallelism(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self.barrier()
+    def configure_precision(self, plugin: Precision) -> Precision:
+        name = precision_name(plugin)
+        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
+        return fsdp2_precision_plugin(name, self.root_device.type)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -180,26 +193,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
             materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self.call_step(self._root, "training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self.call_step(self._root, "validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self.call_step(self._root, "test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self.call_step(self._root, "predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:

@@ -5,13 +5,11 @@ for tp > 1, a pipeline split and a microbatch loss for pp > 1; with only dp it n
 whole module) is parallelized by the one path, lightscale/parallel/parallelize.py: TP, activation checkpointing,
 compile, FSDP2 - so ``parallel_3d`` with only dp and ``fsdp2`` run the same program.
 
-How a pipelined step fits Lightning's loop (training_step -> zero_grad -> backward -> optimizer_step): the
-schedule runs forward *and* backward of every microbatch when the module's ``training_step`` calls
-``self.loss(batch)`` - during the step the strategy serves ``loss`` from the pipeline and returns the batch loss,
-broadcast from the last stage, on every rank, so ``self.log`` works unchanged. The gradients are set aside before
-Lightning's ``zero_grad`` and put back in ``backward`` (scaled for gradient accumulation), where Lightning's
-backward hooks still run. Clipping (by norm, over dp x tp x pp), LR schedulers and optimizer steps are Lightning's.
-Validation, test and predict run a forward-only schedule of their own (lightscale/parallel/pipeline_runtime.py).
+How a pipelined step fits Lightning's loop is lightscale/strategies/pipeline_step.py: the schedule runs forward
+*and* backward of every microbatch when the module's ``training_step`` calls ``self.loss(batch)``; the batch loss,
+broadcast from the last stage, is returned on every rank, so ``self.log`` works unchanged. Clipping (by norm, over
+dp x tp x pp: the precision plugin's, lightscale/plugins/fsdp_precision.py), LR schedulers and optimizer steps are
+Lightning's. Validation, test and predict run a forward-only schedule (lightscale/parallel/pipeline_runtime.py).
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
-import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -32,6 +29,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import (
     check_hooks,
@@ -44,7 +43,7 @@ from lightscale.parallel.contract import (
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
 from lightscale.parallel.fsdp import check_shardable, contains_module
-from lightscale.parallel.grad_norm import clip_grad_norm_
+from lightscale.parallel.mesh import ParallelDims, check_degrees, pipeline_group
 from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
@@ -55,16 +54,11 @@ from lightscale.parallel.pipeline import (
     stage_ids_owner,
     validate_schedule,
 )
-from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork, share_stage_weights
-from lightscale.plugins.fsdp_precision import (
-    MixedTensorGradScaler,
-    fsdp2_precision_plugin,
-    mp_policy,
-    precision_name,
-)
+from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
+from lightscale.plugins.fsdp_precision import mp_policy, parallel_3d_precision_plugin, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.mesh import ParallelDims
+from lightscale.strategies.pipeline_step import PipelinedModule, SplittableBatches
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -103,6 +97,41 @@ class Parallel3DStrategy(LightscaleStrategy):
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
         "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
     }
+    plannable = (
+        Plannable(
+            "tp2",
+            "3Ψ/2 + 4bsh/layer",
+            "+ tensor parallel over 2 ranks (layers split)",
+            activation_checkpointing="full",
+            tp=2,
+        ),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Dense states sharded by FSDP2 over dp_shard x ep, layers split over tp, stages over pp."""
+        dims = self.parallel_dims(world_size)
+        dense_shard = dims.dp_shard * dims.ep  # FSDP2 shards the dense part over the ep ranks too
+        sharded = dense_shard > 1
+        return Layout(
+            type(self).__name__,
+            world_size,
+            shard_optimizer=sharded,
+            shard_gradients=sharded,
+            shard_parameters=sharded,
+            dp_shard=dense_shard,
+            dp_replicate=dims.dp_replicate,
+            tp=dims.tp,
+            pp=dims.pp,
+            ep=dims.ep,
+            stages_per_rank=self.stages_per_rank if dims.pp > 1 else 1,
+            microbatches=self.microbatches,
+            v_shape=self.schedule == "zbv",
+            activation_checkpointing=self.activation_checkpointing,
+            sequence_parallel=self.sequence_parallel and dims.tp > 1,
+            loss_parallel=self.loss_parallel and dims.tp > 1,
+        )
+
     reads_single_files = False
 
     def __init__(
@@ -129,15 +158,11 @@ class Parallel3DStrategy(LightscaleStrategy):
         self.compression = compression
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
-        self._network: nn.Module | None = None  # the whole network while module.model is this rank's stages
-        self._stage_view: nn.Module | None = None  # this rank's stages under whole-model names
         self._parallelized: LightningModule | None = None
-        self._root: nn.Module | None = None  # where FSDP roots without a pipeline (as under fsdp2)
+        self.pipelined: PipelinedModule | None = None  # the module's network as this rank's pipeline stages
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
-        for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
-            if (degree != -1 and degree < 1) or (name != "dp" and degree == -1):
-                raise ConfigurationError(f"{name}={degree} is not valid: use a positive degree (dp may be -1).")
+        check_degrees({"dp": dp, "tp": tp, "pp": pp, "ep": ep}, inferable=["dp"])  # at construction
         if ep > 1 and dp_mode == "replicate":
             raise ConfigurationError("ep > 1 shards the dense part with FSDP2 over dp x ep: use dp_mode='shard'.")
         schedule_class(schedule)  # unknown names fail here
@@ -149,8 +174,16 @@ class Parallel3DStrategy(LightscaleStrategy):
             validate_schedule(schedule, pp=pp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
-        self.pipeline: Pipeline | None = None
-        self._stashed_grads: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return self.pipelined.pipeline if self.pipelined is not None else None
+
+    @property
+    def whole_network(self) -> nn.Module | None:
+        """The user's whole network while ``module.model`` is this rank's pipeline stages, else None."""
+        pipelined = self.pipelined
+        return pipelined.network if pipelined is not None and pipelined.module.model is pipelined.stages else None
 
     @property
     def num_stages(self) -> int:
@@ -190,8 +223,8 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         if self._parallelized is module:  # validate/test after fit: the same shards (and pipeline) again
-            if self._stage_view is not None:
-                self._network, module.model = module.model, self._stage_view
+            if self.pipelined is not None:
+                self.pipelined.attach()
             return module
         self._parallelized = module
         if self.dims.ep_enabled:
@@ -200,8 +233,8 @@ class Parallel3DStrategy(LightscaleStrategy):
             check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
-            self._network = module.model
-            module.model = self._stage_view = self._build_pipeline(module, module.model)
+            self.pipelined = self._build_pipeline(module, module.model)
+            self.pipelined.attach()
         else:
             # The same root as under fsdp2 (same program for the same degrees).
             self._root = data_parallel_root(module)
@@ -233,7 +266,7 @@ class Parallel3DStrategy(LightscaleStrategy):
             moe_layers=moe_layers(root),
         )
 
-    def _build_pipeline(self, module: LightningModule, model: nn.Module) -> nn.Module:
+    def _build_pipeline(self, module: LightningModule, model: nn.Module) -> PipelinedModule:
         names = module.pipeline_stages(self.num_stages)
         all_names = [name for stage in names for name in stage]
         pp_mesh = self.device_mesh["pp"]
@@ -242,7 +275,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         units = sharding_units(module)
         for stage in stages.values():
             self._parallelize(module, stage, [unit for unit in units if contains_module(stage, unit)])
-        self.pipeline = Pipeline(
+        pipeline = Pipeline(
             stages,
             schedule=self.schedule,
             num_stages=self.num_stages,
@@ -251,53 +284,22 @@ class Parallel3DStrategy(LightscaleStrategy):
             pp_group=pp_mesh.get_group(),
             device=self.root_device,
         )
-        # The module's view of its network: this rank's modules under their whole-model names (optimizer, checkpoint).
-        return prune_to(model, [name for index in ids for name in names[index]], all_names)
+        return PipelinedModule(module, pipeline, names, ids)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def _loss_parallel(self) -> AbstractContextManager:
         return loss_parallel() if self.dims.tp_enabled and self.loss_parallel else nullcontext()
 
     @contextmanager
-    def _step_context(self, *, train: bool) -> Iterator[None]:
+    @override
+    def step_context(self, step: str) -> Iterator[None]:
         with ExitStack() as stack:
             stack.enter_context(self._loss_parallel())
-            if self.pipeline is not None:
-                stack.enter_context(self._serve_pipeline_loss(train=train))
+            if self.pipelined is not None:
+                scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: scales each microbatch loss
+                loss_scale = scaler.scale if scaler is not None else None
+                stack.enter_context(self.pipelined.serving(step, loss_scale=loss_scale))
             yield
-
-    @contextmanager
-    def _serve_pipeline_loss(self, *, train: bool) -> Iterator[None]:
-        module = self.lightning_module
-        assert self.pipeline is not None and module is not None
-        pipeline = self.pipeline
-
-        def pipelined_loss(batch: tuple[Tensor, Tensor]) -> Tensor:
-            inputs, targets = batch
-            if not train:
-                return pipeline.evaluate(inputs, targets)
-            params = list(module.parameters())
-            held = [p.grad for p in params]  # earlier micro-steps' gradients (or stale ones zero_grad will clear)
-            for param in params:
-                param.grad = None
-            # The schedule runs backward here, so an fp16 loss scaler must scale each microbatch loss inside it.
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            loss = pipeline.step(inputs, targets, loss_scale=scaler.scale if scaler is not None else None)
-            # Lightning calls zero_grad between training_step and backward: keep this step's gradients aside.
-            self._stashed_grads = [(p, p.grad) for p in params if p.grad is not None]
-            for param, grad in zip(params, held, strict=True):
-                param.grad = grad
-            return loss
-
-        module.loss = pipelined_loss  # an instance attribute shadows the method for this step only
-        try:
-            yield
-        finally:
-            del module.loss
-
-    def _run_step(self, name: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
-        with context:
-            return self.call_step(self._root, name, *args, **kwargs)
 
     @property
     @override
@@ -313,106 +315,53 @@ class Parallel3DStrategy(LightscaleStrategy):
         dataloader = super().process_dataloader(dataloader)
         if not self.dims.pp_enabled or not self.lightning_module.trainer.training:
             return dataloader
-        return SplittableBatches(dataloader, self)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context(train=True):
-            return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context(train=False):
-            return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context(train=False):
-            return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+        return SplittableBatches(dataloader, lambda: self.pipeline, self.microbatches)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Predictions as one process gives them, on every rank: DTensors gathered whole, and under a pipeline the
-        module's call of its network (``module.model(inputs)``) runs the schedule forward-only (see
-        :meth:`Pipeline.forward`)."""
-        with self._step_context(train=False), self._serve_pipeline_network():
-            output = self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
-        return apply_to_collection(output, DTensor, DTensor.full_tensor)
-
-    @contextmanager
-    def _serve_pipeline_network(self) -> Iterator[None]:
-        module = self.lightning_module
-        if self.pipeline is None or module is None:
-            yield
-            return
-        stages, module.model = module.model, PipelinedNetwork(self.pipeline)
-        try:
-            yield
-        finally:
-            module.model = stages
+        module's call of its network (``module.model(inputs)``) runs the schedule forward-only."""
+        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is None:
+        if self.pipelined is None:
             with self._loss_parallel():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
+        module = self.lightning_module  # the schedule ran backward in training_step: its gradients come back here
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward hooks
-        self._restore_gradients(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        self.pipelined.restore_gradients(1.0 / module.trainer.accumulate_grad_batches)
         return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
 
-    def _restore_gradients(self, scale: float) -> None:
-        for param, grad in self._stashed_grads:
-            if scale != 1.0:
-                grad = grad * scale
-            param.grad = grad if param.grad is None else param.grad + grad
-        self._stashed_grads = []
-
     @override
-    def setup(self, trainer: Trainer) -> None:
-        name = precision_name(self.precision_plugin)
-        enforce_contract("parallel_3d", name, device_type=self.root_device.type, compression=self.compression)
+    def configure_precision(self, plugin: Precision) -> Precision:
+        name = precision_name(plugin)
+        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
         if self.compression != "none" and self.dims.data_shards == 1:
             rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = 1, no gradient is reduced.")
-        if self.shards_data_parallel:  # FSDP casts per unit (MixedPrecisionPolicy), exactly as under fsdp2
-            self.precision_plugin = fsdp2_precision_plugin(name, self.root_device.type)
-        elif name == "16-mixed":  # autocast, one skip-or-step decision for all ranks (found-inf summed over WORLD)
-            device = self.root_device.type
-            self.precision_plugin = MixedPrecision("16-mixed", device, scaler=MixedTensorGradScaler(device=device))
-        super().setup(trainer)
-        # Lightning clips through the precision plugin; the norm must span dp x tp x pp, so clip here instead.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        pp_group = self.device_mesh["pp"].get_group() if self.dims.pp_enabled else None
-        clip_grad_norm_(params, clip_val, pp_group=pp_group)
+        # FSDP casts per unit (MixedPrecisionPolicy) exactly as under fsdp2 when it wraps the whole module; clipping
+        # by norm spans dp x tp x pp.
+        pp_group = pipeline_group(self.device_mesh)
+        return parallel_3d_precision_plugin(
+            name, self.root_device.type, fsdp_casts=self.shards_data_parallel, pp_group=pp_group
+        )
 
     # ---- checkpoints: the portable layout, written and read by LightscaleStrategy --------------------------------
     @contextmanager
     @override
     def checkpoint_module(self) -> Iterator[nn.Module]:
-        """Checkpoints hold what this rank trains: its stages, under the whole model's names (after fit
-        ``module.model`` is the whole network again, whose other layers are this rank's stale copies)."""
-        module = self.lightning_module
-        if self._stage_view is None or module is None or module.model is self._stage_view:
-            yield module
-            return
-        network, module.model = module.model, self._stage_view
-        try:
-            yield module
-        finally:
-            module.model = network
+        """Checkpoints hold what this rank trains: its stages, under the whole model's names."""
+        yield self.pipelined.checkpoint_view if self.pipelined is not None else self.lightning_module
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and self._network is not None:
+        network = self.whole_network
+        if module is not None and network is not None:
             trainer = module._trainer
             if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # no collectives on errors
-                self._share_stage_weights(self._network)
-            module.model = self._network  # the user's network object again, not this rank's pipeline stages
-            self._network = None
+                self._share_stage_weights(network)
+            self.pipelined.detach()  # the user's network object again, not this rank's pipeline stages
         super().teardown()
 
     def _share_stage_weights(self, network: nn.Module) -> None:
@@ -426,44 +375,3 @@ class Parallel3DStrategy(LightscaleStrategy):
             owner_of=lambda stage: stage_ids_owner(stage, self.pp, v_shape=v_shape),
             pp_group=self.device_mesh["pp"].get_group(),
         )
-
-
-class SplittableBatches:
-    """Iterates ``loader``, dropping (with a warning) batches of another size than the pipeline trains on: the size
-    it already trained on, else the loader's ``batch_size``, else the first batch's."""
-
-    def __init__(self, loader: Any, strategy: Parallel3DStrategy) -> None:
-        self.loader = loader
-        self.strategy = strategy
-
-    def __getattr__(self, name: str) -> Any:  # Lightning reads the loader's sampler, batch_size, dataset, ...
-        return getattr(self.loader, name)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        pipeline = self.strategy.pipeline
-        expected = pipeline.train_batch_size if pipeline is not None else None
-        expected = expected or getattr(self.loader, "batch_size", None)
-        for batch in self.loader:
-            size = _batch_size(batch)
-            if expected is None:
-                expected = size
-            if size is None or size == expected:
-                yield batch
-                continue
-            rank_zero_warn(
-                f"parallel_3d drops a training batch of {size} samples: the pipeline runs batches of {expected} "
-                f"(microbatches={self.strategy.microbatches}; torch's pipeline stages run one shape), typically an "
-                "epoch's last, partial batch. Use drop_last=True, or a dataset size that divides into full batches, "
-                "to train on every sample."
-            )
-
-
-def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, Tensor):
-        return batch.shape[0]
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], Tensor):
-        return batch[0].shape[0]
-    return None

@@ -1,4 +1,8 @@
-"""lightscale's strategy names in Lightning's ``StrategyRegistry``, and the error for names that are not there.
+"""lightscale's strategies as derived from their classes: names, descriptions, families, planner candidates.
+
+Every class that declares ``aliases`` registered itself when it was defined (``LightscaleStrategy.__init_subclass__``:
+Lightning's ``StrategyRegistry`` and :data:`~lightscale.strategies.base.REGISTERED`), so a subclass in a user's own
+file is known here like the built-in ones; nothing below types a strategy's name a second time.
 
 Example:
     >>> import lightscale, lightning
@@ -15,31 +19,47 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
-from lightscale.strategies.fit_memory import FitMemoryStrategy
-from lightscale.strategies.fsdp2 import FSDP2Strategy
-from lightscale.strategies.parallel_3d import Parallel3DStrategy
-from lightscale.strategies.zero import ZeroStrategy
+from lightscale.estimate.plan import Plannable
+from lightscale.strategies.base import REGISTERED, LightscaleStrategy
 
-STRATEGIES: tuple[type[LightscaleStrategy], ...] = (
-    BucketedDDPStrategy,
-    ZeroStrategy,
-    FSDP2Strategy,
-    Parallel3DStrategy,
-    FitMemoryStrategy,
-)
+
+def strategy_classes() -> tuple[type[LightscaleStrategy], ...]:
+    """Every class that registered aliases, in the order they were defined."""
+    return tuple(REGISTERED)
 
 
 def register_strategies() -> None:
-    """Register every lightscale strategy name (idempotent; runs on ``import lightscale``)."""
-    for cls in STRATEGIES:
+    """Register every lightscale strategy name again (idempotent; the classes did it when defined)."""
+    for cls in REGISTERED:
         cls.register_strategies(StrategyRegistry)
+
+
+def unregister_strategy(cls: type[LightscaleStrategy]) -> None:
+    """Forget ``cls`` and its names (e.g. a test's strategy class, after the test)."""
+    if cls in REGISTERED:
+        REGISTERED.remove(cls)
+    for name in cls.__dict__.get("aliases", {}):
+        if dict.get(StrategyRegistry, name, {}).get("strategy") is cls:
+            StrategyRegistry.remove(name)
 
 
 def strategy_table() -> list[tuple[str, str]]:
     """(name, one-line description) of every lightscale strategy, in registration order."""
-    return [(name, description) for cls in STRATEGIES for name, (description, _) in cls.aliases.items()]
+    return [(name, description) for cls in REGISTERED for name, (description, _) in cls.__dict__["aliases"].items()]
+
+
+def family_members() -> dict[str, list[str]]:
+    """The names of each precision family (``precision_contract.render_table`` shows them)."""
+    members: dict[str, list[str]] = {}
+    for cls in REGISTERED:
+        if cls.precision_family is not None:
+            members.setdefault(cls.precision_family, []).extend(cls.__dict__["aliases"])
+    return members
+
+
+def plan_candidates() -> list[Plannable]:
+    """What ``fit_memory`` and ``lightscale plan`` may choose, in registration order (least communication first)."""
+    return [option for cls in REGISTERED for option in cls.__dict__.get("plannable", ())]
 
 
 def check_strategy(strategy: str | Strategy) -> None:

@@ -23,18 +23,31 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
+from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.deepspeed_dir import (
+    CHECKPOINT_TAG,
+    load_engine_directory,
+    safe_checkpoint_engine,
+    save_engine_directory,
+)
+from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
+from lightscale.checkpoint.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
+from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.moe import moe_layers
-from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.distributed_checkpoint import write_checkpoint
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
-from lightscale.plugins.shape_check import check_shapes
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG, safe_checkpoint_engine, saved_parameter_shapes
-from lightscale.plugins.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
-from lightscale.strategies.deepspeed_engine import EngineRoot, check_async_io, cpu_adam_from, not_a_boundary
+from lightscale.strategies.deepspeed_engine import (
+    EngineRoot,
+    check_async_io,
+    check_zero_optimizer,
+    host_optimizer,
+    not_a_boundary,
+    require_deepspeed,
+)
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -44,8 +57,8 @@ class ZeroStrategy(LightscaleStrategy):
 
     Args:
         stage: 1, 2 or 3.
-        offload_optimizer: keep optimizer state (and the fp32 master weights) in host memory; AdamW runs as
-            DeepSpeed's CPU Adam.
+        offload_optimizer: keep optimizer state (and the fp32 master weights) in host memory and step it there:
+            Adam/AdamW as DeepSpeed's CPU Adam, any other torch optimizer as torch's own implementation.
         offload_params: keep parameters in host memory between uses (stage 3).
         nvme_path: offload to files in this directory instead of host memory (ZeRO-Infinity); default under
             the run's log dir when ``zero_infinity`` is chosen by name.
@@ -54,7 +67,7 @@ class ZeroStrategy(LightscaleStrategy):
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
-            number of ranks (lightscale/plugins/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            number of ranks (lightscale/checkpoint/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
             directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
@@ -67,7 +80,7 @@ class ZeroStrategy(LightscaleStrategy):
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
-        "zero2_offload": ("ZeRO-2 with optimizer state on the CPU (CPU Adam)", {"stage": 2, "offload_optimizer": True}),
+        "zero2_offload": ("ZeRO-2 with optimizer state and step on the CPU", {"stage": 2, "offload_optimizer": True}),
         "zero3": ("ZeRO-3 on DeepSpeed: optimizer state, gradients and parameters sharded", {"stage": 3}),
         "zero3_offload": (
             "ZeRO-3 with optimizer state and parameters on the CPU",
@@ -78,6 +91,29 @@ class ZeroStrategy(LightscaleStrategy):
             {"stage": 3, "offload_optimizer": True, "offload_params": True, "nvme_path": "auto"},
         ),
     }
+    plannable = (
+        Plannable("zero1", "2Ψ", "optimizer state sharded"),
+        Plannable("zero2", "2Ψ", "+ gradients sharded"),
+    )
+
+    @override
+    def memory_layout(self, world_size: int) -> Layout:
+        """Stage 1 shards optimizer state, 2 gradients too, 3 parameters too; offload moves them to the host."""
+        stage = self.options.stage
+        zero = self.user_config.get("zero_optimization", {})
+        threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+        return Layout(
+            type(self).__name__,
+            world_size,
+            engine="deepspeed",
+            shard_optimizer=True,
+            shard_gradients=stage >= 2,
+            shard_parameters=stage == 3,
+            dp_shard=world_size,
+            offload_optimizer=self.options.offload_optimizer,
+            offload_parameters=self.options.offload_params,
+            persistence_threshold=threshold if stage == 3 else 0,
+        )
 
     def __init__(
         self,
@@ -91,6 +127,7 @@ class ZeroStrategy(LightscaleStrategy):
         checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
+        require_deepspeed()
         super().__init__(**kwargs)
         check_compression(compression)
         self.compression = compression
@@ -151,6 +188,7 @@ class ZeroStrategy(LightscaleStrategy):
         if not fitting and self._engine_wraps(self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
             return
+        optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
         self.config = build_config(
             self._resolved_options(trainer),
             micro_batch_size=_micro_batch_size(trainer),
@@ -159,12 +197,12 @@ class ZeroStrategy(LightscaleStrategy):
             precision=self.precision_plugin.precision,
             compression=self.compression,
             user_config=self.user_config,
+            torch_optimizer_on_host=optimizer is not None and type(optimizer).__name__ != "DeepSpeedCPUAdam",
         )
         if not fitting and self.options.stage < 3:
             # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain
             # engine holds the (replicated) weights and still loads the checkpoint's module states.
             self.config["zero_optimization"] = {"stage": 0}
-        optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
         self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
@@ -212,9 +250,10 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
             )
         optimizer = optimizers[0]
+        check_zero_optimizer(optimizer)
         self._group_names = group_parameter_names(module, optimizer)
-        if self.options.offload_optimizer and self.user_config.get("zero_force_ds_cpu_optimizer") is not False:
-            optimizer = cpu_adam_from(optimizer)
+        if self.options.offload_optimizer:
+            optimizer = host_optimizer(optimizer, self.user_config)
         return optimizer, schedulers[0] if schedulers else None
 
     def _initialize_engine(self, module: LightningModule, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -268,6 +307,8 @@ class ZeroStrategy(LightscaleStrategy):
         pass  # the engine places (or offloads) parameters itself
 
     # ---- checkpoints ------------------------------------------------------------------------------------
+    weights_settable_after_setup = False  # the engine builds its fp32 masters from the weights at setup
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the engine's state is saved by save_checkpoint; nothing is gathered here
@@ -282,43 +323,11 @@ class ZeroStrategy(LightscaleStrategy):
         target = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
-            client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            self._save_engine_directory(target, client_state)
+            save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
         rest = self.trainer_state(checkpoint)
-        rest["lightscale"]["strategy"] = self._name()
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
-
-    def _name(self) -> str:
-        """The registered name these options match (recorded in the checkpoint), else the class name."""
-        options = self.options
-        wanted = (
-            options.stage,
-            options.offload_optimizer,
-            options.offload_params,
-            self._nvme_auto or bool(options.nvme_path),
-        )
-        for name, (_, params) in self.aliases.items():
-            offloads = (
-                params.get("offload_optimizer", False),
-                params.get("offload_params", False),
-                "nvme_path" in params,
-            )
-            if (params["stage"], *offloads) == wanted:
-                return name
-        return type(self).__name__
-
-    def _save_engine_directory(self, target: Path, client_state: dict[str, Any]) -> None:
-        # The engine writes in place; write beside the target and swap it in, so a crash never corrupts it.
-        if self.is_global_zero:
-            start_staging(target)
-        self.barrier()
-        self.engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
-        self.barrier()
-        if self.is_global_zero:
-            publish(staging_path(target), target)
-        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -326,24 +335,9 @@ class ZeroStrategy(LightscaleStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = complete_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if (path / CHECKPOINT_TAG).is_dir():
-            return self._load_engine_directory(path, fitting)
+            return load_engine_directory(self.engine, path, fitting=fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
         return self.read_trainer_state(read, fitting=fitting)
-
-    def _load_engine_directory(self, path: Path, fitting: bool) -> dict[str, Any]:
-        optimizer = self.engine.optimizer
-        if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
-            # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
-            # from the loaded weights, but DeepSpeed calls the refresh anyway.
-            optimizer._restore_from_bit16_weights = lambda: None
-        model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()}
-        check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
-        _, client_state = self.engine.load_checkpoint(
-            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
-        )
-        if client_state is None:
-            raise ConfigurationError(f"{path} is not a checkpoint directory saved by a ZeRO strategy.")
-        return client_state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
+from lightscale.checkpoint import atomic_dir, deepspeed_dir, layout
 from lightscale.cli import main
-from lightscale.plugins import atomic_dir, distributed_checkpoint
 from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.strategies import zero
 from lightscale.testing import RankFailed, run_distributed
@@ -83,7 +83,7 @@ def _shards_then_death(strategy: str) -> Any:
 
 def _train(strategy: str, cache_dir: str, checkpoint: str, *, steps: int, resume: bool, fault: str = "") -> list[float]:
     """This rank's loss of each step trained (from the resumed step on), saving ``checkpoint`` after ``steps``."""
-    user = zero if strategy.startswith("zero") else distributed_checkpoint  # the module that calls publish
+    user = deepspeed_dir if strategy.startswith("zero") else layout  # the module that calls publish
     patch = {
         "mid_shards": _death_between_shard_writes(strategy),
         "shards": _shards_then_death(strategy),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
 from lightscale.callbacks import CommMonitor
-from lightscale.model_state import model_state_bytes
+from lightscale.callbacks.measured_state import model_state_bytes
 from lightscale.testing import run_distributed
 
 UNITS = TINY.n_layer + 1  # one FSDP unit per transformer block, plus the root (embeddings, final norm)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lightscale.callbacks.init_weights import InitWeights
 from lightscale.cli import main
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.init_weights import InitWeights
 from lightscale.recipes.gpt import GPT
 from lightscale.testing import run_distributed
 

@@ -11,8 +11,8 @@ import torch
 from helpers import TINY, train_tiny_gpt
 
 from lightscale.callbacks import CommMonitor
+from lightscale.callbacks.measured_state import model_state_bytes
 from lightscale.comm_counter import CollectiveCounter
-from lightscale.model_state import model_state_bytes
 from lightscale.recipes.gpt import GPT
 from lightscale.recipes.gpt.parallelize import parallelize_gpt
 from lightscale.strategies import Parallel3DStrategy, ParallelDims

@@ -28,8 +28,6 @@ PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)  # stages ho
 RANKS = {"hsdp": 4, "tp2_pp2": 4}
 DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1}  # the rest of the ranks are data parallel
 NAMES = [name for name, _ in lightscale.strategy_table() if not name.startswith("ep")]  # MoE names: test_moe.py
-# Optimizer offload runs DeepSpeed's CPU Adam by default; SGD on the host partitions needs this engine option.
-TORCH_OPTIMIZER_ON_HOST = {"zero_force_ds_cpu_optimizer": False}
 
 
 def _async_io_available() -> bool:
@@ -88,12 +86,10 @@ def _train(
 
 
 def _named(name: str, tmp_path: Any) -> tuple[Any, dict[str, Any]]:
-    """The strategy for ``name`` (ZeRO offload with SGD on the host) and extra Trainer arguments."""
+    """The strategy for ``name`` (ZeRO offload steps SGD with torch's own implementation on the host) and extra
+    Trainer arguments."""
     if name in ZeroStrategy.aliases:
-        init = dict(ZeroStrategy.aliases[name][1])
-        if init.get("offload_optimizer"):
-            init["config"] = TORCH_OPTIMIZER_ON_HOST
-        return ZeroStrategy(**init), {"default_root_dir": str(tmp_path)}
+        return ZeroStrategy(**ZeroStrategy.aliases[name][1]), {"default_root_dir": str(tmp_path)}
     return name, {}
 
 

@@ -33,9 +33,9 @@ from helpers import StepLosses, quiet_trainer, relative_difference, train_tiny_g
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightscale.checkpoint import SafeCheckpointIO
+from lightscale.checkpoint.layout import TRAINER_STATE
 from lightscale.parallel.moe import MoEConfig
-from lightscale.plugins import SafeCheckpointIO
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
 from lightscale.recipes.gpt import GPT
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, Parallel3DStrategy
 from lightscale.testing import run_distributed

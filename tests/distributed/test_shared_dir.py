@@ -17,8 +17,8 @@ from helpers import TINY, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.shared_dir import check_shared_dir
 from lightscale.recipes.gpt import GPTModule
 from lightscale.testing import RankFailed, run_distributed
 

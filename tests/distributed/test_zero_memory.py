@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import pytest
 from helpers import TINY, train_tiny_gpt
 
-from lightscale.model_state import model_state_bytes
+from lightscale.callbacks.measured_state import model_state_bytes
 from lightscale.recipes.gpt import GPT
 from lightscale.strategies.zero import ZeroStrategy
 from lightscale.testing import run_distributed

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from checkpoint_matrix import torch_live_state, zero_live_state
 from helpers import relative_difference, train_tiny_gpt
 
-from lightscale.plugins import SafeCheckpointIO, zero_portable
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE
-from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
-from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG
+from lightscale.checkpoint import SafeCheckpointIO, zero_portable
+from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG
+from lightscale.checkpoint.layout import TRAINER_STATE
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.strategies import ZeroStrategy
 from lightscale.testing import run_distributed
 

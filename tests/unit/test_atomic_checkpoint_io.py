@@ -11,8 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightscale.plugins import atomic_dir
-from lightscale.plugins.checkpoint import SafeCheckpointIO
+from lightscale.checkpoint import atomic_dir
+from lightscale.checkpoint.safe_io import SafeCheckpointIO
 
 
 def _killed_while(action: Any) -> None:

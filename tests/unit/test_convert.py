@@ -15,11 +15,11 @@ from helpers import TINY
 from safetensors.torch import load_file
 from torch import nn
 
+from lightscale.checkpoint import convert as convert_module
+from lightscale.checkpoint.convert import convert, read_model_state
+from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded
 from lightscale.cli import main
 from lightscale.errors import ConfigurationError
-from lightscale.plugins import convert as convert_module
-from lightscale.plugins.convert import convert, read_model_state
-from lightscale.plugins.distributed_checkpoint import TRAINER_STATE, load_sharded
 from lightscale.recipes.gpt import GPT
 
 

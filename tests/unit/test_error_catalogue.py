@@ -180,11 +180,11 @@ def _not_writable():
 
 
 def _export_wrong_prefix():
-    from lightscale.plugins.checkpoint import export_single_file
+    from lightscale.checkpoint.convert import convert
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.save({"state_dict": {"net.weight": torch.zeros(1)}}, Path(tmp) / "a.ckpt")
-        export_single_file(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
+        convert(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
 
 
 def _forward_too_long():
@@ -229,7 +229,7 @@ def _zero_fit(**trainer_kwargs):
 
 
 def _other_shape_checkpoint():
-    from lightscale.plugins.shape_check import check_shapes, tensor_shapes
+    from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
     from lightscale.recipes.gpt import GPT
 
     saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
@@ -270,8 +270,9 @@ CATALOGUE: list[tuple] = [
      CE, r"pp=3 x tp=2 multiply to 6, but the world size is 8.*\[1, 2, 4, 8\]"),
     ("dims-infer", "-1 degree cannot be inferred from a non-divisor",
      lambda: _dims(world_size=8, dp_replicate=-1, tp=3), CE, r"Cannot infer dp_replicate: world size 8 .*\(3\)"),
-    ("dims-zero", "a degree of 0", lambda: _dims(world_size=4, tp=0), CE, r"degrees must be positive.*tp"),
-    ("dims-negative", "a degree of -2", lambda: _dims(world_size=4, dp_shard=-2), CE, r"or -1 \(infer\).*-2"),
+    ("dims-zero", "a degree of 0", lambda: _dims(world_size=4, tp=0), CE, r"tp=0 is not valid: use a positive degree"),
+    ("dims-negative", "a degree of -2", lambda: _dims(world_size=4, dp_shard=-2), CE,
+     r"dp_shard=-2 is not valid: .*or -1 \(infer\)"),
     ("dims-two-infer", "two degrees set to -1", lambda: _dims(world_size=4, dp_shard=-1, tp=-1), CE,
      r"Only one parallel degree may be -1.*dp_shard.*tp"),
     ("dims-world", "world size 0", lambda: _dims(world_size=0), CE, r"world_size must be >= 1, got 0"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightscale.model_state import model_state_bytes
+from lightscale.callbacks.measured_state import model_state_bytes
 from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.testing import run_distributed
 

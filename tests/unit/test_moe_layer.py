@@ -11,11 +11,11 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.experts import check_expert_parallel, expert_major_order
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.moe import MoE, MoEConfig, capacity_mask, update_router_biases
 from lightscale.recipes.gpt import GPTConfig
 from lightscale.recipes.gpt.model import flops_per_token
 from lightscale.recipes.gpt.parallelize import gpt_tp_plan, validate_gpt_moe, validate_gpt_plan
-from lightscale.strategies.mesh import ParallelDims
 
 
 def test_config_validation() -> None:

@@ -9,6 +9,7 @@ from helpers import TINY
 from lightscale.cli import main
 from lightscale.estimate.plan import choose, plan
 from lightscale.recipes.gpt import GPTModule
+from lightscale.strategies.registry import plan_candidates
 
 # Device bytes per rank -> (strategy, activation checkpointing) chosen; micro-batch 2, fp32, AdamW, 2 ranks.
 BUDGETS = [
@@ -24,7 +25,7 @@ BUDGETS = [
 
 @pytest.mark.parametrize(("budget", "expected"), BUDGETS)
 def test_budget_picks_the_least_communication_that_fits(budget: int, expected: tuple[str, str] | None) -> None:
-    chosen = choose(plan(GPTModule(TINY), world_size=2, budget=budget, micro_batch=2))
+    chosen = choose(plan(GPTModule(TINY), plan_candidates(), world_size=2, budget=budget, micro_batch=2))
     assert (None if chosen is None else (chosen.strategy, chosen.activation_checkpointing)) == expected
 
 

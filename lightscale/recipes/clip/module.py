@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightscale.checkpoint import allow_in_checkpoints
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.contrastive import clip_loss, data_parallel_group, siglip_loss
 from lightscale.parallel.tensor_parallel import TPPlan
-from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.clip.data import TEMPLATES, caption, tokenize
 from lightscale.recipes.clip.model import CLIP, CLIPConfig, CLIPOutput, TextConfig, flops_per_pair
 from lightscale.recipes.vit.data import DIGIT_NAMES

@@ -21,10 +21,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.checkpoint import allow_in_checkpoints
 from lightscale.parallel.contract import TransformerShape
 from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.tensor_parallel import TPPlan
-from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
 from lightscale.recipes.gpt.parallelize import (
     gpt_stage_modules,

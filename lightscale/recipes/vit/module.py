@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.checkpoint import allow_in_checkpoints
 from lightscale.parallel.tensor_parallel import TPPlan
-from lightscale.plugins.checkpoint import allow_in_checkpoints
 from lightscale.recipes.gpt.module import warmup_cosine
 from lightscale.recipes.vit.model import ViT, ViTConfig, flops_per_image
 from lightscale.recipes.vit.parallelize import validate_vit_parallel, vit_stage_modules, vit_tp_plan

@@ -1,4 +1,5 @@
-"""Offline conversion between checkpoint formats: any lightscale checkpoint in, one model file or directory out.
+"""Offline conversion and export (the one path of ``lightscale convert`` and ``lightscale export``): any lightscale
+checkpoint in, one model file or directory out.
 
 Sources (detected from what ``IN`` is):
 
@@ -36,10 +37,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
+from lightscale.checkpoint.layout import check_checkpoint_dir, full_model_state_dict, write_checkpoint
+from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
+from lightscale.checkpoint.safe_io import checkpoint_safe_globals, save_atomically
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.atomic_dir import complete_checkpoint
-from lightscale.plugins.checkpoint import checkpoint_safe_globals, save_atomically
-from lightscale.plugins.safe_dcp import UnsafeCheckpointError
 
 TARGETS = ("safetensors", "torch", "dcp")
 SOURCES = ("dcp", "deepspeed", "lightning", "torch", "safetensors")
@@ -62,8 +65,6 @@ def check_target(target: str) -> None:
 
 def detect_source(path: Path) -> str:
     """Which of :data:`SOURCES` ``path`` is (files are told apart by their content when loaded)."""
-    from lightscale.plugins.zero_checkpoint import CHECKPOINT_TAG
-
     if path.is_dir():
         if (path / CHECKPOINT_TAG).is_dir():
             return "deepspeed"
@@ -84,19 +85,15 @@ def read_model_state(
     """The full model tensors of any checkpoint, keyed as the single-device model's ``state_dict``.
 
     Runs in one process, no process group; never runs code from the files (a payload is refused with
-    :class:`~lightscale.plugins.safe_dcp.UnsafeCheckpointError`).
+    :class:`~lightscale.checkpoint.safe_dcp.UnsafeCheckpointError`).
     """
     path = complete_checkpoint(Path(checkpoint))
     source = detect_source(path) if source == "auto" else source
     if source == "dcp":
-        from lightscale.plugins.distributed_checkpoint import check_checkpoint_dir, full_model_state_dict
-
         if not (path / ".metadata").is_file():
             check_checkpoint_dir(path)  # raises, naming what a DCP checkpoint directory holds
         return full_model_state_dict(path, prefix=prefix)
     if source == "deepspeed":
-        from lightscale.plugins.zero_checkpoint import consolidate_zero_checkpoint
-
         return _non_empty(consolidate_zero_checkpoint(path, prefix=prefix), path, prefix)
     if source == "safetensors":
         return _read_safetensors(path)
@@ -204,8 +201,6 @@ def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "mod
     """The portable layout's ``model`` part (LightningModule keys: ``prefix`` added) and a trainer state that
     records where it came from; written by the one writer of the layout, in one process."""
     import lightning
-
-    from lightscale.plugins.distributed_checkpoint import write_checkpoint
 
     model = {prefix + name: tensor.detach().contiguous() for name, tensor in state.items()}
     trainer_state: dict[str, Any] = {

@@ -45,3 +45,8 @@ def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {
         key: tuple(getattr(value, "ds_shape", value.shape)) for key, value in state.items() if isinstance(value, Tensor)
     }
+
+
+def check_state_dict_shapes(saved: Mapping[str, Any], model: Mapping[str, Any], source: str) -> None:
+    """:func:`check_shapes` of two state dicts (e.g. a single-file checkpoint's ``state_dict`` and the model's)."""
+    check_shapes(tensor_shapes(saved), tensor_shapes(model), source)

@@ -1,14 +1,16 @@
-"""DeepSpeed ZeRO checkpoints, read without unpickling code, and consolidated into one fp32 state dict.
+"""DeepSpeed's own checkpoint directories (``checkpoint_format="deepspeed"``): saved atomically, read without
+unpickling code, and consolidated into one fp32 state dict.
 
 The engine writes a directory per checkpoint (one model and one optimizer shard per rank). DeepSpeed reads
 those back with ``torch.load(weights_only=False)``; lightscale loads them weights-only, allow-listing the
 three plain data classes DeepSpeed stores (its stage enum, loss-scaler settings, fragment addresses).
+The engine writes in place, so a save goes to ``CKPT.tmp`` and is swapped in (atomic_dir.py).
 
 Example:
     >>> state = consolidate_zero_checkpoint("checkpoints/last.ckpt")  # {"tok_embeddings.weight": ..., ...}
     >>> GPT(config).load_state_dict(state)
 
-    $ lightscale export-zero checkpoints/last.ckpt gpt.pt
+    $ lightscale export checkpoints/last.ckpt gpt.pt
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from lightscale.plugins.atomic_dir import complete_checkpoint
-from lightscale.plugins.checkpoint import checkpoint_safe_globals, save_atomically
+from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.checkpoint.safe_io import checkpoint_safe_globals
+from lightscale.checkpoint.shape_check import check_shapes
+from lightscale.errors import ConfigurationError
 
 CHECKPOINT_TAG = "checkpoint"  # the engine's tag sub-directory inside every lightscale ZeRO checkpoint
 
@@ -90,13 +95,40 @@ def consolidate_zero_checkpoint(checkpoint: str | os.PathLike, *, prefix: str = 
     return {key[len(prefix) :]: value.contiguous() for key, value in state.items() if key.startswith(prefix)}
 
 
-def export_zero_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, prefix: str = "model.") -> int:
-    """Write :func:`consolidate_zero_checkpoint` to ``output`` (``torch.save``, weights-only loadable) atomically.
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
-    Returns the number of tensors written.
-    """
-    state = consolidate_zero_checkpoint(checkpoint, prefix=prefix)
-    if not state:
-        raise ValueError(f"No keys start with prefix {prefix!r} in {checkpoint}; pass prefix='' to keep them all.")
-    save_atomically(state, Path(output))  # never a half-written export under the final name
-    return len(state)
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_engine_directory(engine: Any, target: Path, client_state: dict[str, Any]) -> None:
+    """Collectively save ``engine`` as DeepSpeed's directory ``target``: written beside it, then swapped in."""
+    if _is_rank_zero():
+        start_staging(target)
+    _barrier()
+    engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
+    _barrier()
+    if _is_rank_zero():
+        publish(staging_path(target), target)
+    _barrier()
+
+
+def load_engine_directory(engine: Any, path: Path, *, fitting: bool) -> dict[str, Any]:
+    """Collectively load DeepSpeed's directory ``path`` into ``engine`` (optimizer state when ``fitting``);
+    returns the client state saved with it (the rest of Lightning's checkpoint)."""
+    optimizer = engine.optimizer
+    if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
+        # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
+        # from the loaded weights, but DeepSpeed calls the refresh anyway.
+        optimizer._restore_from_bit16_weights = lambda: None
+    model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters()}
+    check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
+    _, client_state = engine.load_checkpoint(
+        str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
+    )
+    if client_state is None:
+        raise ConfigurationError(f"{path} is not a checkpoint directory saved by a ZeRO strategy.")
+    return client_state

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): one directory per checkpoint.
+"""The portable checkpoint layout every lightscale strategy writes and reads: one DCP directory per checkpoint.
 
 Layout of ``CKPT/``::
 
@@ -7,12 +7,14 @@ Layout of ``CKPT/``::
                                    precision scaler, hyper-parameters), loadable with weights_only=True
 
 DCP stores every tensor with its global shape and the offsets of each shard, so a checkpoint saved on N
-ranks loads on M (resharding) and, offline, into one full state dict (:func:`export_full_state_dict`).
-Saves are atomic (lightscale/plugins/atomic_dir.py): all ranks write into ``CKPT.tmp``, then rank 0 swaps it in,
+ranks loads on M (resharding) and, offline, into one full state dict (:func:`full_model_state_dict`, which
+``lightscale export``/``convert`` use: lightscale/checkpoint/convert.py).
+Saves are atomic (lightscale/checkpoint/atomic_dir.py): all ranks write into ``CKPT.tmp``, then rank 0 swaps it in,
 so a run killed mid-save always leaves the previous or the new checkpoint complete.
 
 Example:
-    >>> export_full_state_dict("runs/last.ckpt", "gpt.pt")  # then GPT(config).load_state_dict(torch.load(...))
+    >>> save_sharded(path, model, optimizers, trainer_state_of(checkpoint, strategy="fsdp2", world_size=4), save)
+    >>> load_sharded(path, model, optimizers)  # on any number of ranks
 """
 
 from __future__ import annotations
@@ -27,19 +29,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
+from lightscale.checkpoint.async_save import AsyncCheckpointWriter
+from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.checkpoint.rng import gather_rng_states
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.async_checkpoint import AsyncCheckpointWriter
-from lightscale.plugins.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.plugins.checkpoint import save_atomically
-from lightscale.plugins.safe_dcp import SafeFileSystemReader, load_safely
-from lightscale.plugins.shape_check import check_shapes, tensor_shapes
 
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
 LAYOUT_FORMAT = 1
+_DCP_ENTRIES = ("state_dict", "optimizer_states")  # the parts of Lightning's checkpoint DCP writes as shards
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -52,6 +61,23 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def lightning_rest(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint without model and optimizer state (loops, callbacks, schedulers, hyper-parameters)."""
+    return {key: value for key, value in checkpoint.items() if key not in _DCP_ENTRIES}
+
+
+def trainer_state_of(checkpoint: dict[str, Any], *, strategy: str, world_size: int) -> dict[str, Any]:
+    """``trainer_state.pt``'s content: :func:`lightning_rest` plus the ``lightscale`` entry naming the writer and
+    holding every rank's random state (collective: the states are gathered)."""
+    writer = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
+    return {**lightning_rest(checkpoint), "lightscale": {**writer, "rng": gather_rng_states()}}
+
+
+def saved_rng_states(trainer_state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's random state from a ``trainer_state.pt`` (None when the writer stored none)."""
+    return trainer_state.get("lightscale", {}).get("rng")
 
 
 def save_sharded(
@@ -82,7 +108,7 @@ def write_checkpoint(
     The one writer of the format: any strategy that can express its state in this layout (DTensor shards, or
     whole tensors that DCP writes once) produces a checkpoint every other strategy loads. With ``writer`` (the
     strategy's ``async_save=True``) it returns once the state is staged in CPU memory and publishes in the
-    background (lightscale/plugins/async_checkpoint.py).
+    background (lightscale/checkpoint/async_save.py).
     """
     if writer is not None:
         rest = copy.deepcopy(trainer_state) if _rank() == 0 else None  # training goes on mutating loop states
@@ -118,6 +144,13 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     return path
 
 
+def load_model_part(path: Path, module: nn.Module) -> None:
+    """Collectively fill ``module``'s weights (keys as its ``state_dict``) from the model part of ``path``."""
+    state = get_model_state_dict(module)
+    read_checkpoint(path, {"model": state})  # never runs code from the files; reshards
+    set_model_state_dict(module, state)
+
+
 def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     """Collectively fill ``state`` (a template in :func:`write_checkpoint`'s layout: the tensors this rank wants,
     with their local shapes or DTensor placements) in place from ``path``; DCP reshards. Never runs code from
@@ -147,26 +180,13 @@ def check_checkpoint_dir(path: Path) -> None:
         )
 
 
-def export_full_state_dict(checkpoint_dir: str | Path, output: str | Path, *, prefix: str = "model.") -> list[str]:
-    """Consolidate a sharded checkpoint's model into one ``torch.save`` file loadable by the single-device model.
-
-    Runs in one process, no process group. Keys starting with ``prefix`` (the LightningModule attribute that
-    holds the model) are kept with the prefix removed; ``prefix=""`` keeps every key. Returns the keys written.
-    """
-    path = complete_checkpoint(Path(checkpoint_dir))
-    check_checkpoint_dir(path)
-    model = full_model_state_dict(path, prefix=prefix)
-    save_atomically(model, Path(output))
-    return sorted(model)
-
-
 def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Tensor]:
     """The full (unsharded) model tensors of the DCP checkpoint ``path`` whose keys start with ``prefix``.
 
     Only public DCP calls: the checkpoint's metadata gives every tensor's global shape and dtype; full-size
     tensors are allocated for the model's keys alone and ``dcp.load(no_dist=True)`` fills them from the shards.
     Unlike ``format_utils.dcp_to_torch_save``, this never reads the optimizer state (no memory for it) and never
-    unpickles a non-tensor entry; ``.metadata`` is read by lightscale/plugins/safe_dcp.py's restricted unpickler.
+    unpickles a non-tensor entry; ``.metadata`` is read by safe_dcp.py's restricted unpickler.
     """
     entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted = {key[len(_MODEL) :]: meta for key, meta in entries.items() if key.startswith(_MODEL + prefix)}

@@ -1,4 +1,5 @@
-"""Checkpoint I/O that never unpickles arbitrary code and never leaves a half-written file.
+"""Single checkpoint files (``trainer_state.pt``, Lightning ``.ckpt`` files, exports): I/O that never unpickles
+arbitrary code and never leaves a half-written file.
 
 Reads: ``torch.load(weights_only=True)``, with the few plain containers Lightning stores in a checkpoint
 allow-listed. Writes: a temporary file *beside* the target, then ``os.replace``. Lightning's ``TorchCheckpointIO``
@@ -17,8 +18,6 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
-
-from lightscale.errors import ConfigurationError
 
 _ALLOWED: list[Any] = []
 
@@ -71,16 +70,3 @@ def save_atomically(state: dict[str, Any], output: Path) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def export_single_file(checkpoint: str | os.PathLike, output: str | os.PathLike, *, prefix: str = "model.") -> int:
-    """The model weights of a single-file Lightning checkpoint (bucketed_ddp, one device), loaded weights-only,
-    with ``prefix`` stripped (keys without it dropped; ``prefix=""`` keeps all). Returns the count written."""
-    state = SafeCheckpointIO().load_checkpoint(checkpoint).get("state_dict", {})
-    model = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-    if not model:
-        raise ConfigurationError(
-            f"No state_dict key of {checkpoint} starts with {prefix!r}; keys: {sorted(state)[:3]}."
-        )
-    save_atomically(model, Path(output))
-    return len(model)

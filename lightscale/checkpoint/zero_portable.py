@@ -1,15 +1,21 @@
-"""ZeRO state in the one portable checkpoint layout (lightscale/plugins/distributed_checkpoint.py), both ways.
+"""ZeRO state in the one portable checkpoint layout (lightscale/checkpoint/layout.py), both ways.
 
-Save: each parameter's full fp32 master weight and Adam moments are gathered with DeepSpeed's public
+Save: each parameter's full fp32 master weight and optimizer state are gathered with DeepSpeed's public
 ``safe_get_full_*`` calls (collective: every rank takes part in every gather), but only the parameter's *owner*
 (parameter index modulo world size, round robin) keeps the gathered tensors in the state dict it hands to DCP.
 DCP merges the ranks' plans, so each tensor is written once, and no rank ever holds more than its share of the
 model and moments plus the one parameter being gathered. bf16 runs save the fp32 masters, as fp32 runs do.
 
+Any torch optimizer: its state is whatever the inner optimizer keeps for each flat fp32 partition. A tensor of the
+partition's shape holds one value per element (Adam's moments, SGD's momentum buffer, Adagrad's sum, RMSprop's
+square average) and is saved per parameter as ``state.<fqn>.<key>``, as FSDP2 saves it; a scalar (a step counter) is
+the same for every partition, since ZeRO steps them together, and is saved once per parameter too.
+
 Load: the checkpoint (saved by any strategy on any number of ranks) is read a bounded batch of parameters at a
 time (whole tensors, :data:`LOAD_BATCH_NUMEL` elements per batch) and written into the engine's partitions with
 ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``; the working (bit16 or fp32) copies are then
-refreshed from the masters, and the step and hyper-parameters (lr, betas, ...) of each optimizer group are set.
+refreshed from the masters, and the scalar states and hyper-parameters (lr, betas, ...) of each group are set. The
+keys come from the checkpoint: state the optimizer has not created yet (no step taken) is created first.
 
 Example:
     >>> state = zero_state_dict(engine, module, group_names)            # collective, on every rank
@@ -19,18 +25,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightscale.plugins.distributed_checkpoint import read_checkpoint
+from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.layout import read_checkpoint
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader
+from lightscale.errors import ConfigurationError
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-LOAD_BATCH_NUMEL = 1 << 26  # elements of parameters read per batch at load (x3 with both moments, fp32)
+LOAD_BATCH_NUMEL = 1 << 26  # elements of parameters read per batch at load (x3 with Adam's two moments, fp32)
 
 
 def _rank() -> int:
@@ -54,12 +63,42 @@ def zero_optimizer(engine: Any) -> Any | None:
     return optimizer
 
 
+# ---- the optimizer's state ----------------------------------------------------------------------------------
+def optimizer_state(zero: Any) -> tuple[list[str], dict[str, Tensor]]:
+    """The inner optimizer's per-element state keys and its scalar states (as fp32 tensors), any torch optimizer.
+
+    Links ZeRO-1/2's per-parameter views first, so ``safe_get_full_optimizer_state`` reads every key returned.
+    """
+    materialize_optimizer_state(zero)
+    inner = zero.optimizer
+    elementwise: set[str] = set()
+    scalars: dict[str, Tensor] = {}
+    for flat in _flat_partitions(zero):
+        for key, value in inner.state.get(flat, {}).items():
+            if torch.is_tensor(value) and value.shape == flat.shape:
+                elementwise.add(key)
+            elif _is_scalar(value):
+                scalars.setdefault(key, torch.as_tensor(value, dtype=torch.float32).detach().cpu().clone())
+            elif value is not None:
+                raise ConfigurationError(
+                    f"{type(inner).__name__} keeps state {key!r} of shape {tuple(getattr(value, 'shape', ()))}, "
+                    f"neither one value per element of its flat ZeRO partition {tuple(flat.shape)} nor a scalar: it "
+                    "cannot be split into parameters for the portable checkpoint. Use checkpoint_format='deepspeed'."
+                )
+    return sorted(elementwise), scalars
+
+
+def _is_scalar(value: Any) -> bool:
+    if torch.is_tensor(value):
+        return value.dim() == 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # ---- save ---------------------------------------------------------------------------------------------------
 def zero_state_dict(engine: Any, module: nn.Module, group_names: list[list[str]]) -> dict[str, Any]:
     """This rank's share of ``{"model": ..., "optimizer": ...}`` in the portable layout (collective)."""
     optimizer = zero_optimizer(engine)
-    if optimizer is not None:
-        materialize_optimizer_state(optimizer)  # links ZeRO-1/2's per-parameter views of the moments
+    keys, scalars = optimizer_state(optimizer) if optimizer is not None else ([], {})
     owned: dict[int, str] = {}
     model: dict[str, Tensor] = {}
     flat: dict[str, Any] = {}
@@ -67,17 +106,17 @@ def zero_state_dict(engine: Any, module: nn.Module, group_names: list[list[str]]
         mine = index % _world() == _rank()
         weight = _full_weight(param, optimizer)
         trained = optimizer is not None and param.requires_grad
-        moments = {key: _full_state(param, key) for key in MOMENTS} if trained else {}
+        state = {key: _full_state(param, key) for key in keys} if trained else {}
         if mine:
             owned[id(param)] = name
             model[name] = weight
-            flat.update({f"state.{name}.{key}": value for key, value in moments.items()})
+            flat.update({f"state.{name}.{key}": value for key, value in state.items()})
     for name, tensor in module.state_dict(keep_vars=True).items():  # tied aliases and buffers
         if name in model or not _writes(tensor, owned):
             continue
         model[name] = model[owned[id(tensor)]] if id(tensor) in owned else tensor.detach().cpu().clone()
     if optimizer is not None:
-        flat.update(_group_entries(optimizer, group_names, set(owned.values())))
+        flat.update(_group_entries(optimizer, group_names, set(owned.values()), scalars))
     return {"model": model, "optimizer": flat} if optimizer is not None else {"model": model}
 
 
@@ -111,40 +150,61 @@ def _gathered(param: nn.Parameter) -> Tensor:
         return param.detach().cpu().clone()
 
 
-def _group_entries(optimizer: Any, group_names: list[list[str]], owned: set[str]) -> dict[str, Any]:
-    """``state.<fqn>.step`` and ``param_groups.<fqn>.<hyper-parameter>`` of the owned parameters."""
-    step = torch.tensor(float(optimizer_step(optimizer)), dtype=torch.float32)
+def _group_entries(
+    optimizer: Any, group_names: list[list[str]], owned: set[str], scalars: dict[str, Tensor]
+) -> dict[str, Any]:
+    """``state.<fqn>.<scalar>`` (step counters) and ``param_groups.<fqn>.<hyper-parameter>`` of the owned parameters."""
     entries: dict[str, Any] = {}
     for group, names in zip(optimizer.optimizer.param_groups, group_names, strict=True):
         settings = {key: value for key, value in group.items() if key != "params" and not key.startswith("_")}
         for name in (name for name in names if name in owned):
-            entries[f"state.{name}.step"] = step.clone()
+            entries.update({f"state.{name}.{key}": value.clone() for key, value in scalars.items()})
             entries.update({f"param_groups.{name}.{key}": value for key, value in settings.items()})
     return entries
 
 
-def optimizer_step(optimizer: Any) -> int:
-    """The optimizer steps taken: torch's Adam/AdamW keep ``step`` as a tensor, DeepSpeed's CPU Adam as an int,
-    each in the state of every flat fp32 partition (all equal: ZeRO steps every partition together)."""
-    steps = [state["step"] for state in optimizer.optimizer.state.values() if "step" in state]
-    return int(steps[0]) if steps else 0
-
-
 # ---- load ---------------------------------------------------------------------------------------------------
+class SavedState:
+    """The optimizer state keys of a checkpoint, from its metadata: per-element keys (one value per element of the
+    parameter) and scalar keys (step counters) of each parameter, and which group settings it holds."""
+
+    def __init__(self, path: Path, params: list[tuple[str, nn.Parameter]]) -> None:
+        entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self.entries = set(entries)
+        shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        for key, meta in entries.items():
+            if key.startswith("optimizer.state.") and isinstance(meta, TensorStorageMetadata):
+                name, state_key = key[len("optimizer.state.") :].rsplit(".", 1)
+                shapes.setdefault(name, {})[state_key] = tuple(meta.size)
+        self.keys = {name: set(keys) for name, keys in shapes.items()}
+        shape_of = {name: tuple(_shape(param)) for name, param in params}
+        saved = [(name, key, shape) for name, keys in shapes.items() for key, shape in keys.items()]
+        # A 0-d entry of a parameter with elements is a scalar; of a 0-d parameter, only ``step`` is taken as one.
+        self.scalars = {
+            key for name, key, shape in saved if shape == () and (shape_of.get(name, ()) != () or key == "step")
+        }
+        self.elementwise = sorted({key for _, key, _ in saved} - self.scalars)
+
+    def of(self, name: str, keys: Iterable[str]) -> list[str]:
+        """Those of ``keys`` the checkpoint holds for parameter ``name``."""
+        return sorted(set(keys) & self.keys.get(name, set()))
+
+
 def load_zero_state_dict(
     path: Path, engine: Any, module: nn.Module, group_names: list[list[str]], *, optimizer: bool
 ) -> Path:
     """Collectively fill the engine from the portable checkpoint ``path``; returns the directory read."""
     zero = zero_optimizer(engine) if optimizer else None
-    if zero is not None:
-        materialize_optimizer_state(zero)
     params = unique_parameters(module)
+    saved = SavedState(complete_checkpoint(path), params) if zero is not None else None
+    if zero is not None and saved is not None:
+        materialize_optimizer_state(zero, saved.elementwise, saved.scalars)
     for batch in _batches(params):
-        path = _load_batch(path, batch, zero)
+        path = _load_batch(path, batch, zero, saved)
     _load_buffers(path, module)
-    if zero is not None:
+    if zero is not None and saved is not None:
         _refresh_working_copies(zero)
-        _load_groups(path, zero, group_names)
+        _load_groups(path, zero, group_names, saved)
     return path
 
 
@@ -169,21 +229,22 @@ def _shape(param: nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def _load_batch(path: Path, batch: list[tuple[str, nn.Parameter]], zero: Any | None) -> Path:
+def _load_batch(path: Path, batch: list[tuple[str, nn.Parameter]], zero: Any | None, saved: SavedState | None) -> Path:
     model = {name: torch.empty(_shape(param), dtype=torch.float32) for name, param in batch}
     state: dict[str, Any] = {"model": model}
+    # Frozen parameters have no optimizer state in any checkpoint.
+    keys = {name: saved.of(name, saved.elementwise) if saved and param.requires_grad else [] for name, param in batch}
     if zero is not None:
         state["optimizer"] = {
             f"state.{name}.{key}": torch.empty(_shape(param), dtype=torch.float32)
             for name, param in batch
-            if param.requires_grad  # frozen parameters have no optimizer state in any checkpoint
-            for key in MOMENTS
+            for key in keys[name]
         }
     path = read_checkpoint(path, state)
     for name, param in batch:
         _set_weight(param, model[name], zero)
-        if zero is not None and param.requires_grad:
-            _set_moments(param, {key: state["optimizer"][f"state.{name}.{key}"] for key in MOMENTS})
+        if zero is not None:
+            _set_state(param, {key: state["optimizer"][f"state.{name}.{key}"] for key in keys[name]})
     return path
 
 
@@ -207,10 +268,10 @@ def _master_device(param: nn.Parameter) -> torch.device:
     return param.ds_tensor.device if hasattr(param, "ds_tensor") else param.device
 
 
-def _set_moments(param: nn.Parameter, moments: dict[str, Tensor]) -> None:
+def _set_state(param: nn.Parameter, state: dict[str, Tensor]) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
-    for key, value in moments.items():
+    for key, value in state.items():
         safe_set_full_optimizer_state(param, value.to(_master_device(param)), key)
 
 
@@ -228,20 +289,23 @@ def _load_buffers(path: Path, module: nn.Module) -> Path:
     return path
 
 
-def materialize_optimizer_state(zero: Any) -> None:
-    """Create zero moments and step 0 for every flat fp32 partition that has no state yet.
+def materialize_optimizer_state(zero: Any, elementwise: Iterable[str] = (), scalars: Iterable[str] = ()) -> None:
+    """Create the ``elementwise`` (zeros) and ``scalars`` (0) states a flat fp32 partition does not hold yet, then
+    link ZeRO-1/2's per-parameter views of every state.
 
-    Adam creates its state at the first step; a checkpoint is loaded before it, and DeepSpeed's setters write
-    into that state. Step 0 with zero moments is exactly the state Adam would create.
+    Torch optimizers create their state at the first step (Adagrad at construction); a checkpoint is loaded before
+    it, and DeepSpeed's setters write into that state. The checkpoint's values then replace the zeros.
     """
     inner = zero.optimizer
-    cpu_adam = type(inner).__name__ == "DeepSpeedCPUAdam"
-    for flat in _flat_partitions(zero):
-        if not inner.state[flat]:
-            step: Any = 0 if cpu_adam else torch.tensor(0.0, dtype=torch.float32)
-            inner.state[flat] = {"step": step, **{key: torch.zeros_like(flat) for key in MOMENTS}}
+    int_steps = type(inner).__name__ == "DeepSpeedCPUAdam"  # counts its steps in a Python int
+    for flat in _flat_partitions(zero) if elementwise or scalars else []:
+        state = inner.state[flat]
+        for key in (key for key in elementwise if key not in state):
+            state[key] = torch.zeros_like(flat)
+        for key in (key for key in scalars if key not in state):
+            state[key] = 0 if int_steps else torch.tensor(0.0, dtype=torch.float32)
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-1/2 link each parameter to views of its moments once, after stepping the first group only: the
+        # ZeRO-1/2 link each parameter to views of its state once, after stepping the first group only: the
         # other groups' links stay empty. Linking again (views of the same tensors) makes every link whole.
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
@@ -262,30 +326,41 @@ def _refresh_working_copies(zero: Any) -> None:
         zero.update_lp_params()
 
 
-def _load_groups(path: Path, zero: Any, group_names: list[list[str]]) -> Path:
-    """The step and the hyper-parameters of each group, from its first parameter's entries."""
+def _load_groups(path: Path, zero: Any, group_names: list[list[str]], saved: SavedState) -> Path:
+    """The scalar states (from the first parameter's entries) and each group's hyper-parameters (from its first
+    parameter's), those the checkpoint holds."""
     groups = zero.optimizer.param_groups
-    template: dict[str, Any] = {}
-    for group, names in zip(groups, group_names, strict=True):
-        template[f"state.{names[0]}.step"] = torch.zeros((), dtype=torch.float32)
-        template.update({f"param_groups.{names[0]}.{key}": None for key in _hyper_parameters(group)})
+    first = group_names[0][0]
+    template: dict[str, Any] = {f"state.{first}.{key}": torch.zeros(()) for key in saved.of(first, saved.scalars)}
+    settings = [
+        [key for key in _hyper_parameters(group) if f"optimizer.param_groups.{names[0]}.{key}" in saved.entries]
+        for group, names in zip(groups, group_names, strict=True)
+    ]
+    for keys, names in zip(settings, group_names, strict=True):
+        template.update({f"param_groups.{names[0]}.{key}": None for key in keys})
     path = read_checkpoint(path, {"optimizer": template})
-    step = int(template[f"state.{group_names[0][0]}.step"].item())
-    for group, names in zip(groups, group_names, strict=True):
-        group.update({key: template[f"param_groups.{names[0]}.{key}"] for key in _hyper_parameters(group)})
-    set_optimizer_step(zero, step)
+    for group, keys, names in zip(groups, settings, group_names, strict=True):
+        group.update({key: template[f"param_groups.{names[0]}.{key}"] for key in keys})
+    scalars = {key: template[f"state.{first}.{key}"] for key in saved.of(first, saved.scalars)}
+    _set_scalars(zero, scalars)
     return path
 
 
 def _hyper_parameters(group: dict[str, Any]) -> list[str]:
-    return [key for key in ("lr", "initial_lr", "betas", "eps", "weight_decay") if key in group]
+    """The settings a scheduler may change (OneCycleLR cycles ``momentum`` or ``betas``)."""
+    return [key for key in ("lr", "initial_lr", "betas", "momentum", "eps", "weight_decay") if key in group]
 
 
-def set_optimizer_step(zero: Any, step: int) -> None:
+def _set_scalars(zero: Any, scalars: dict[str, Tensor]) -> None:
+    """Each scalar state of every flat partition, in the type the optimizer keeps it (tensor or Python number)."""
     inner = zero.optimizer
     for flat in _flat_partitions(zero):
         state = inner.state[flat]
-        state["step"] = torch.tensor(float(step), dtype=torch.float32) if torch.is_tensor(state["step"]) else step
+        for key, value in scalars.items():
+            live = state[key]  # each partition its own tensor: optimizers count steps in place
+            state[key] = (
+                value.to(live.device, live.dtype).clone() if torch.is_tensor(live) else type(live)(value.item())
+            )
 
 
 def group_parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:

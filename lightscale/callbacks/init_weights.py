@@ -5,8 +5,9 @@ directory whose ``model`` entries :class:`InitWeights` loads into the already pa
 fit: DCP reshards the full tensors into this rank's shards (FSDP2's DTensors) or whole tensors (bucketed_ddp).
 Resuming (``ckpt_path=``) would need the optimizer state too; this needs only the weights.
 
-ZeRO strategies are refused: DeepSpeed builds its fp32 master copies from the weights when the engine starts,
-before any callback runs, so loading the weights afterwards would train from the old masters.
+Strategies whose ``weights_settable_after_setup`` is False (the ZeRO family) are refused: DeepSpeed builds its fp32
+master copies from the weights when the engine starts, before any callback runs, so loading the weights afterwards
+would train from the old masters.
 
 Example:
     >>> trainer = lightscale.Trainer(strategy="fsdp2", devices=4, callbacks=[InitWeights("init.ckpt")])
@@ -19,19 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from typing_extensions import override
 
+from lightscale.checkpoint.layout import load_model_part
 from lightscale.errors import ConfigurationError
-
-
-def load_model_part(path: str | os.PathLike, module: pl.LightningModule) -> None:
-    """Collectively fill ``module``'s weights (keys as its ``state_dict``) from the checkpoint at ``path``."""
-    from lightscale.plugins.distributed_checkpoint import read_checkpoint
-
-    state = get_model_state_dict(module)
-    read_checkpoint(Path(path), {"model": state})  # never runs code from the files; reshards
-    set_model_state_dict(module, state)
+from lightscale.strategies.base import LightscaleStrategy
 
 
 class InitWeights(pl.Callback):
@@ -42,11 +35,10 @@ class InitWeights(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightscale.strategies.zero import ZeroStrategy
-
-        if isinstance(trainer.strategy, ZeroStrategy):
+        strategy = trainer.strategy
+        if isinstance(strategy, LightscaleStrategy) and not strategy.weights_settable_after_setup:
             raise ConfigurationError(
-                f"InitWeights({str(self.path)!r}) cannot run under {type(trainer.strategy).__name__}: DeepSpeed "
+                f"InitWeights({str(self.path)!r}) cannot run under {type(strategy).__name__}: DeepSpeed "
                 "builds its fp32 master weights before callbacks run, so they would keep the old values. Use a "
                 "strategy whose parameters are the trained values (fsdp2, hsdp, bucketed_ddp)."
             )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
-def rng_state() -> dict[str, Any]:
+def process_rng_state() -> dict[str, Any]:
     """This process's torch (CPU and CUDA), numpy and Python random states, in weights-only-loadable types."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
@@ -34,7 +34,7 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_process_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["torch.cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["torch.cuda"])
@@ -45,8 +45,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's :func:`rng_state`, indexed by rank (collective when a process group exists)."""
-    state = rng_state()
+    """Every rank's :func:`process_rng_state`, indexed by rank (collective when a process group exists)."""
+    state = process_rng_state()
     if not dist.is_initialized():
         return [state]
     states: list[Any] = [None] * dist.get_world_size()
@@ -65,5 +65,5 @@ def restore_rng_states(states: list[dict[str, Any]] | None) -> bool:
             "are not restored, so dropout masks and random augmentations will differ from an uninterrupted run."
         )
         return False
-    set_rng_state(states[rank])
+    set_process_rng_state(states[rank])
     return True

@@ -1,0 +1,121 @@
+"""Dependencies between lightscale's parts run one way: no import cycle between subpackages / top-level modules
+(``lightscale.X``), counting imports inside functions too, and no import of a lightscale module inside a function
+(an import hidden in a function to dodge a cycle means the layers are wrong). Third-party imports are ignored:
+optional ones may stay lazy."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "lightscale"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported lightscale module, inside a function?, line) of every import in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, in_function, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: resolve against this module's package
+                    anchor = package.rsplit(".", child.level - 1)[0] if child.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                found.append((base, in_function, child.lineno))
+            visit(child, inner)
+
+    visit(tree, False)
+    return [(name, lazy, line) for name, lazy, line in found if name == "lightscale" or name.startswith("lightscale.")]
+
+
+def _part(module: str) -> str:
+    """``lightscale.estimate.core`` -> ``lightscale.estimate``: the node of the layer graph."""
+    return ".".join(module.split(".")[:2])
+
+
+def _graph() -> dict[str, dict[str, list[str]]]:
+    """part -> imported part -> the imports ("file:line module") that make the edge."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        source = _part(_module_name(path))
+        for name, _, line in _imports(path):
+            target = _part(name)
+            if target != source:
+                where = f"{path.relative_to(ROOT.parent)}:{line} imports {name}"
+                graph.setdefault(source, {}).setdefault(target, []).append(where)
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of parts (Tarjan), as a list of parts."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return groups
+
+
+def _describe(group: list[str], graph: dict[str, dict[str, list[str]]]) -> str:
+    edges = [
+        f"  {source} -> {target}: {graph[source][target][0]}"
+        for source in group
+        for target in graph.get(source, {})
+        if target in group
+    ]
+    return f"cycle between {', '.join(group)}:\n" + "\n".join(edges)
+
+
+def test_no_cycle_between_parts() -> None:
+    graph = _graph()
+    cycles = _cycles(graph)
+    assert not cycles, "\n".join(_describe(group, graph) for group in cycles)
+
+
+def test_estimate_imports_no_strategy_cli_or_trainer() -> None:
+    graph = _graph()
+    upward = {"lightscale.strategies", "lightscale.cli", "lightscale.trainer", "lightscale.commands", "lightscale"}
+    assert not upward & set(graph.get("lightscale.estimate", {})), graph.get("lightscale.estimate")
+
+
+def test_no_lightscale_import_inside_a_function() -> None:
+    lazy = [
+        f"{path.relative_to(ROOT.parent)}:{line} imports {name}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for name, in_function, line in _imports(path)
+        if in_function
+    ]
+    assert not lazy, "imports of lightscale modules inside functions:\n" + "\n".join(lazy)
