@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
@@ -43,7 +44,7 @@ def nesterov_outer_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
 class _Fragment:
     indices: list[int]  # positions in OuterSync.params
     codec: Codec
-    globals: list[Tensor]  # fp32 copies the outer optimizer steps (empty for local_sgd)
+    globals: list[Tensor]  # fp32 global parameters: what the outer optimizer steps (local_sgd: the last average)
     optimizer: torch.optim.Optimizer | None
     residual: Tensor | None  # error feedback: what compression left out of the last payload
 
@@ -106,17 +107,26 @@ class OuterSync:
         self._pending: list[_Pending] = []
 
     def _fragment(self, indices: list[int], factory: OuterOptimizerFactory) -> _Fragment:
-        codec = Codec(self.compression, [self.params[i].numel() for i in indices])
+        codec = Codec(self.compression, [self.local(i).numel() for i in indices])
         residual = None if self.compression == "none" else torch.zeros(codec.numel, device=self.params[0].device)
-        if self.mode == "local_sgd":
-            return _Fragment(indices, codec, [], None, residual)
-        globals_ = [self.params[i].detach().float().clone() for i in indices]
-        return _Fragment(indices, codec, globals_, _build_outer_optimizer(factory, globals_), residual)
+        globals_ = [self.local(i).float().clone() for i in indices]
+        optimizer = None if self.mode == "local_sgd" else _build_outer_optimizer(factory, globals_)
+        return _Fragment(indices, codec, globals_, optimizer, residual)
+
+    def local(self, index: int) -> Tensor:
+        """This rank's values of parameter ``index``: its local shard when sharded (a DTensor, FSDP2 inside)."""
+        param = self.params[index].detach()
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    def named_globals(self) -> list[tuple[str, Tensor]]:
+        """``(name, fp32 global tensor)`` in parameter order: this rank's shard of the model every worker shares."""
+        by_index = {i: g for f in self.fragments for i, g in zip(f.indices, f.globals, strict=True)}
+        return [(self.names[i], by_index[i]) for i in range(len(self.params))]
 
     @torch.no_grad()
     def _broadcast_start(self) -> None:
-        for param in self.params:
-            dist.broadcast(param.data, group=self.group, group_src=0)
+        for index in range(len(self.params)):
+            dist.broadcast(self.local(index), group=self.group, group_src=0)
 
     @torch.no_grad()
     def after_inner_step(self, step: int) -> None:
@@ -141,7 +151,7 @@ class OuterSync:
             self._apply(pending)
 
     def _flat_local(self, fragment: _Fragment) -> Tensor:
-        return torch.cat([self.params[i].detach().reshape(-1).float() for i in fragment.indices])
+        return torch.cat([self.local(i).reshape(-1).float() for i in fragment.indices])
 
     def _send(self, index: int) -> _Pending:
         fragment = self.fragments[index]
@@ -181,16 +191,16 @@ class OuterSync:
         mean = self._resolve(pending)
         self._pending.remove(pending)
         fragment = self.fragments[pending.fragment]
+        for tensor, value in zip(fragment.globals, mean.split(fragment.codec.sizes), strict=True):
+            if fragment.optimizer is not None:
+                tensor.grad = value.view_as(tensor)
+            else:
+                tensor.copy_(value.view_as(tensor))
         if fragment.optimizer is not None:
-            for tensor, grad in zip(fragment.globals, mean.split(fragment.codec.sizes), strict=True):
-                tensor.grad = grad.view_as(tensor)
             fragment.optimizer.step()
             fragment.optimizer.zero_grad(set_to_none=True)
-            sources = fragment.globals
-        else:
-            sources = list(mean.split(fragment.codec.sizes))
-        for i, source in zip(fragment.indices, sources, strict=True):
-            self.params[i].data.copy_(source.view_as(self.params[i]))
+        for i, source in zip(fragment.indices, fragment.globals, strict=True):
+            self.local(i).copy_(source)
 
     def state_dict(self) -> dict[str, Any]:
         """Global parameters, outer optimizer states, error-feedback residuals, the step and results in flight.
@@ -204,7 +214,7 @@ class OuterSync:
             "settings": self._settings(),
             "step": self.step,
             "bytes_sent": self.bytes_sent,
-            "global_params": {name: tensor.clone() for name, tensor in self._named_globals()},
+            "global_params": {name: tensor.clone() for name, tensor in self.named_globals()},
             "outer_optimizers": [f.optimizer.state_dict() if f.optimizer else None for f in self.fragments],
             "residuals": [None if f.residual is None else f.residual.clone() for f in self.fragments],
             "pending": pending,
@@ -215,7 +225,7 @@ class OuterSync:
         """Restore :meth:`state_dict`'s output; the settings must be those it was saved with."""
         _check_settings(state["settings"], self._settings())
         self.step, self.bytes_sent = state["step"], state["bytes_sent"]
-        for name, tensor in self._named_globals():
+        for name, tensor in self.named_globals():
             tensor.copy_(state["global_params"][name])
         for fragment, optimizer_state, residual in zip(
             self.fragments, state["outer_optimizers"], state["residuals"], strict=True
@@ -225,11 +235,6 @@ class OuterSync:
             if residual is not None:
                 fragment.residual = residual.clone()
         self._pending = [_Pending(p["fragment"], p["apply_at"], mean=p["mean"].clone()) for p in state["pending"]]
-
-    def _named_globals(self) -> list[tuple[str, Tensor]]:
-        if self.mode == "local_sgd":
-            return []
-        return [(self.names[i], g) for f in self.fragments for i, g in zip(f.indices, f.globals, strict=True)]
 
     def _settings(self) -> dict[str, Any]:
         schedule = self.schedule
@@ -242,6 +247,14 @@ def _validate(
 ) -> None:
     if not named:
         raise ConfigurationError("OuterSync got no parameters; pass model.named_parameters() of a model that has some.")
+    check_outer_settings(mode, compression)
+    if mode == "local_sgd" and outer_optimizer is not None:
+        raise ConfigurationError("mode='local_sgd' averages parameters and has no outer optimizer; "
+                                 "drop outer_optimizer or use mode='diloco'.")  # fmt: skip
+
+
+def check_outer_settings(mode: str, compression: str) -> None:
+    """Refuse an unknown mode or compression, and compression of local SGD's parameters (before any work)."""
     if mode not in MODES:
         raise ConfigurationError(f"mode={mode!r} is not valid; choose one of {', '.join(MODES)}.")
     validate_compression(compression)
@@ -251,9 +264,6 @@ def _validate(
             f"at every sync. Use compression='none', or mode='diloco' (whose pseudo-gradients compress well) with "
             f"outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0), which averages parameters the same way."
         )
-    if mode == "local_sgd" and outer_optimizer is not None:
-        raise ConfigurationError("mode='local_sgd' averages parameters and has no outer optimizer; "
-                                 "drop outer_optimizer or use mode='diloco'.")  # fmt: skip
 
 
 def _build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> torch.optim.Optimizer:
