@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import quiet_trainer
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.callbacks import CommMonitor
@@ -81,7 +83,7 @@ class GlobalsAtEnd(pl.Callback):
         self.values: dict[str, torch.Tensor] = {}
 
     def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
-        self.values = {name: t.clone() for name, t in trainer.strategy.outer.named_globals()}
+        self.values = {name: _full(t) for name, t in trainer.strategy._globals().items()}
 
 
 def _fit(
@@ -151,9 +153,9 @@ def test_bytes_per_step_are_psi_over_h() -> None:
         assert sum(sent) / STEPS / factor == payload / 3  # Psi / H (x the compression ratio) per step
 
 
-def _resume(tmp: str) -> dict[str, Any]:
+def _resume(tmp: str, inner: str) -> dict[str, Any]:
     def strategy() -> DiLoCoStrategy:
-        return DiLoCoStrategy(workers=2, sync_every=4, fragments=2, overlap_steps=1, compression="int8")
+        return DiLoCoStrategy(workers=2, inner=inner, sync_every=4, fragments=2, overlap_steps=1, compression="int8")
 
     steps, whole = _fit(strategy(), steps=8)
     ckpt = str(Path(tmp) / "mid.ckpt")
@@ -162,13 +164,18 @@ def _resume(tmp: str) -> dict[str, Any]:
     first, _ = _fit(strategy(), steps=5, callbacks=(saver, globals_), enable_checkpointing=True)
     second, resumed = _fit(strategy(), steps=8, ckpt_path=ckpt)
     exported = read_model_state(ckpt, prefix="net.") if dist.get_rank() == 0 else None
-    full, part = [p.detach().clone() for p in whole.parameters()], [p.detach().clone() for p in resumed.parameters()]
+    full, part = [_full(p) for p in whole.parameters()], [_full(p) for p in resumed.parameters()]
     return {"steps": steps, "resumed": first + second, "whole": full, "part": part, "exported": exported,
             "globals": globals_.values}  # fmt: skip
 
 
-def test_resume_is_bitwise_and_export_gives_the_global_model(tmp_path: Path) -> None:
-    results = run_distributed(_resume, str(tmp_path), world_size=4, timeout_s=300)
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+@pytest.mark.parametrize("inner", ["bucketed_ddp", "fsdp2"])
+def test_resume_is_bitwise_and_export_gives_the_global_model(tmp_path: Path, inner: str) -> None:
+    results = run_distributed(_resume, str(tmp_path), inner, world_size=4, timeout_s=300)
     for out in results:
         assert out["steps"] == out["resumed"]
         assert all(torch.equal(a, b) for a, b in zip(out["whole"], out["part"], strict=True))

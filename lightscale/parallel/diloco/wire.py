@@ -57,7 +57,8 @@ class Codec:
             return flat
         if self.compression == "bf16":
             return flat.to(torch.bfloat16).view(torch.uint8)
-        scales = torch.stack([chunk.abs().max() / _INT8_MAX for chunk in flat.split(self.sizes)])
+        # A local shard may be empty (FSDP2 pads uneven shards): its scale is 0, then 1 below.
+        scales = torch.stack([_absmax(chunk) / _INT8_MAX for chunk in flat.split(self.sizes)])
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero tensor stays zero
         per_value = torch.repeat_interleave(scales, torch.tensor(self.sizes, device=flat.device))
         values = torch.round(flat / per_value).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -73,3 +74,7 @@ class Codec:
         scales = payload[:head].view(torch.float32)
         per_value = torch.repeat_interleave(scales, torch.tensor(self.sizes, device=payload.device))
         return payload[head:].view(torch.int8).float() * per_value
+
+
+def _absmax(chunk: Tensor) -> Tensor:
+    return chunk.abs().max() if chunk.numel() else chunk.new_zeros(())
