@@ -17,6 +17,7 @@ BENCHMARKS = [
     "bench_clip.py",
     "bench_memory.py",
     "bench_async_save.py",
+    "bench_diloco.py",
 ]
 
 

@@ -237,6 +237,14 @@ def _other_shape_checkpoint():
     check_shapes(tensor_shapes(saved), tensor_shapes(model), "last.ckpt")
 
 
+def _diloco(world_size=None, **kwargs):
+    from lightscale.strategies import DiLoCoStrategy
+
+    strategy = DiLoCoStrategy(**kwargs)
+    if world_size is not None:  # the layout is checked at setup, once the world size is known
+        strategy.parallel_dims(world_size)
+
+
 def _error(name: str) -> type[BaseException]:
     from lightscale.errors import ConfigurationError
 
@@ -432,6 +440,19 @@ CATALOGUE: list[tuple] = [
      _other_shape_checkpoint, CE,
      r"last\.ckpt was saved from a differently shaped model: tok_embeddings\.weight: checkpoint \(256, 16\), "
      r"model \(256, 32\)"),
+    ("diloco-sync-every", "DiLoCo sync_every below 1", lambda: _diloco(sync_every=0), CE,
+     r"sync_every=0 is not valid; it must be an integer >= 1"),
+    ("diloco-fragments", "DiLoCo fragments not dividing sync_every", lambda: _diloco(sync_every=10, fragments=3), CE,
+     r"fragments=3 does not divide sync_every=10.*choose fragments from \[1, 2, 5, 10\]"),
+    ("diloco-workers", "DiLoCo workers not dividing the world size (at setup)", lambda: _diloco(4, workers=3), CE,
+     r"workers=3 does not divide the world size 4.*Choose workers from \[1, 2, 4\]"),
+    ("diloco-inner", "DiLoCo inner strategy that cannot nest", lambda: _diloco(inner="zero2"), CE,
+     r"inner='zero2' cannot run inside a DiLoCo worker; choose one of bucketed_ddp, fsdp2"),
+    ("diloco-outer-lr", "DiLoCo outer_lr <= 0", lambda: _diloco(outer_lr=0.0), CE,
+     r"outer_lr=0.0 is not valid; it must be > 0"),
+    ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
+     lambda: _diloco(mode="local_sgd", compression="int8"), CE,
+     r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
 ]
 # fmt: on
 

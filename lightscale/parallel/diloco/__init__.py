@@ -1,0 +1,15 @@
+"""DiLoCo and local SGD as a torch-only building block: :class:`OuterSync` (the ``diloco`` strategies drive it)."""
+
+from lightscale.parallel.diloco.outer_sync import MODES, OuterSync, check_outer_settings, nesterov_outer_optimizer
+from lightscale.parallel.diloco.schedule import Schedule, split_fragments
+from lightscale.parallel.diloco.wire import Codec
+
+__all__ = [
+    "MODES",
+    "Codec",
+    "OuterSync",
+    "Schedule",
+    "check_outer_settings",
+    "nesterov_outer_optimizer",
+    "split_fragments",
+]
