@@ -12,6 +12,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
 from typing_extensions import override
 
+from lightscale.callbacks.model_summary import with_global_summary
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
@@ -44,6 +45,8 @@ class Trainer(LightningTrainer):
         if fp16_on_cpu is not None:
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
+        summary = kwargs.get("enable_model_summary") is not False and not kwargs.get("barebones")
+        kwargs["callbacks"] = with_global_summary(_as_list(kwargs.get("callbacks")), enabled=summary)
         super().__init__(*args, **kwargs)
         self.resume = resume
         self._resume_dir: Path | None = None
