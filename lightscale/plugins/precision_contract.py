@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -25,6 +26,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightscale.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
 
 Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
 Compression = Literal["none", "bf16", "fp16", "powersgd"]
@@ -52,6 +55,7 @@ class Meaning:
     loss_scaling: bool  # a dynamic loss scaler runs, with one skip-or-step decision on all ranks
     how: str  # the mechanism, for the reader
     difference: str = ""  # where the engine forces another meaning than the standard one: warned at start-up
+    same_values: bool = False  # the difference costs memory only: logged at debug level and in the run summary
 
 
 STANDARD = {
@@ -86,6 +90,7 @@ _DIFFERENT = {
         "plain fp32",
         "DeepSpeed's optimizer steps its own fp32 copy of each rank's partition (4 more bytes per parameter / N); "
         "the values are the same",
+        same_values=True,
     ),
     ("zero", "bf16-mixed"): Meaning(
         "bf16", "bf16", "fp32", "fp32", "fp32", False, "DeepSpeed bf16 + communication_data_type=fp32", _DS_BF16
@@ -147,10 +152,11 @@ def enforce_contract(family: Family, precision: str, *, device_type: str, compre
     row = meaning(family, precision, compression=compression)
     refuse_impossible(family, precision, device_type=device_type, compression=compression)
     if row.difference:
-        rank_zero_warn(
-            f"lightscale: precision={precision!r} under {family}: {row.difference} (see docs/plugins/precision.md).",
-            category=UserWarning,
-        )
+        message = f"lightscale: precision={precision!r} under {family}: {row.difference} (docs/plugins/precision.md)."
+        if row.same_values:  # nothing for the user to act on: kept for the curious and in RunSummary's table
+            log.debug(message)
+        else:
+            rank_zero_warn(message, category=UserWarning)
     return row
 
 
@@ -211,7 +217,7 @@ def render_table(members: Mapping[str, Sequence[str]]) -> str:
     lines += [
         "",
         "| family | precision | parameters | compute | gradient reduce | fp32 master | optimizer state | "
-        "loss scaling | how | engine difference (warned at start-up) |",
+        "loss scaling | how | engine difference (warned at start-up where values change) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in FAMILIES:

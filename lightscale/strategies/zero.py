@@ -46,6 +46,7 @@ from lightscale.strategies.deepspeed_engine import (
     check_zero_optimizer,
     host_optimizer,
     not_a_boundary,
+    rebind_scheduler,
     require_deepspeed,
 )
 
@@ -207,7 +208,7 @@ class ZeroStrategy(LightscaleStrategy):
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
-            scheduler.scheduler.optimizer = optimizer
+            rebind_scheduler(scheduler.scheduler, optimizer)  # type: ignore[arg-type]
         self.barrier()
 
     def _engine_wraps(self, module: LightningModule) -> bool:
