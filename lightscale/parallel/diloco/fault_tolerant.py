@@ -137,7 +137,8 @@ class FaultTolerantOuterSync:
 
     def state_dict(self) -> dict[str, Any]:
         """What a healing worker receives: the outer state (global parameters, outer optimizer) and the parameters."""
-        params = {name: param.detach() for name, param in zip(self.sync.names, self.sync.params, strict=True)}
+        # Copies: torchft's HTTP transport serves this dict when the peer asks, after this worker trained on.
+        params = {name: param.detach().clone() for name, param in zip(self.sync.names, self.sync.params, strict=True)}
         return {"outer": self.sync.state_dict(), "params": params}
 
     @torch.no_grad()
