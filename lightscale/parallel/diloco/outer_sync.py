@@ -33,6 +33,7 @@ from lightscale.parallel.diloco.wire import Codec, Compression, validate_compres
 Mode = Literal["diloco", "local_sgd"]
 MODES: tuple[str, ...] = ("diloco", "local_sgd")
 OuterOptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+Reducer = Callable[[Tensor], "Tensor | None"]  # this worker's flat fp32 payload -> the workers' mean, or None: skip
 
 
 def nesterov_outer_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
@@ -57,6 +58,7 @@ class _Pending:
     payload: Tensor | None = None
     gathered: list[Tensor] | None = None
     mean: Tensor | None = None  # set once the collective is waited on
+    skipped: bool = False  # the reducer dropped this round (fault_tolerant.py: a worker failed during it)
 
 
 class OuterSync:
@@ -75,6 +77,11 @@ class OuterSync:
         compression: ``"none"`` (fp32 all-reduce), ``"bf16"`` or ``"int8"`` (per-tensor absmax, all-gathered and
             summed in fp32, with error feedback). diloco only: compressing parameters themselves loses them.
         broadcast_start: copy worker 0's parameters to every worker first, so all start from the same point.
+        reduce: replaces the collective over ``group`` (then unused): takes this worker's flat fp32 payload and
+            returns the workers' mean, or ``None`` to skip the round: no outer step, and the parameters go back
+            to the global ones. Needs ``compression="none"`` and ``overlap_steps=0``; whoever supplies it also
+            syncs the start (``broadcast_start`` is ignored). :mod:`.fault_tolerant` passes one that goes through
+            torchft, so that the mean is over the workers alive in that round.
     """
 
     def __init__(
@@ -89,15 +96,18 @@ class OuterSync:
         overlap_steps: int = 0,
         compression: Compression = "none",
         broadcast_start: bool = True,
+        reduce: Reducer | None = None,
     ) -> None:
         named = list(named_parameters)
         _validate(named, mode, compression, outer_optimizer)
+        _validate_reduce(reduce, compression, overlap_steps)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         self.group, self.mode, self.compression = group, mode, compression
-        self.world = dist.get_world_size(group)
-        if broadcast_start:
+        self.reduce = reduce
+        self.world = 1 if reduce is not None else dist.get_world_size(group)
+        if broadcast_start and reduce is None:
             self._broadcast_start()
         factory = outer_optimizer or nesterov_outer_optimizer
         sizes = [p.numel() for p in self.params]
@@ -166,7 +176,10 @@ class OuterSync:
             fragment.residual = flat - fragment.codec.decode(payload)
         self.bytes_sent += fragment.codec.payload_bytes
         pending = _Pending(index, self.step + self.schedule.overlap_steps, payload=payload)
-        if self.compression == "none":
+        if self.reduce is not None:
+            pending.mean = self.reduce(payload)
+            pending.skipped = pending.mean is None
+        elif self.compression == "none":
             pending.work = dist.all_reduce(payload, group=self.group, async_op=True)
         else:
             pending.gathered = [torch.empty_like(payload) for _ in range(self.world)]
@@ -175,7 +188,7 @@ class OuterSync:
 
     def _resolve(self, pending: _Pending) -> Tensor:
         """Wait for the collective and return the workers' mean in fp32 (summed in worker order on every rank)."""
-        if pending.mean is None:
+        if pending.mean is None and not pending.skipped:
             pending.work.wait()
             codec = self.fragments[pending.fragment].codec
             if pending.gathered is None:
@@ -191,6 +204,9 @@ class OuterSync:
         mean = self._resolve(pending)
         self._pending.remove(pending)
         fragment = self.fragments[pending.fragment]
+        if pending.skipped:
+            self._restore_globals(fragment)
+            return
         for tensor, value in zip(fragment.globals, mean.split(fragment.codec.sizes), strict=True):
             if fragment.optimizer is not None:
                 tensor.grad = value.view_as(tensor)
@@ -199,6 +215,11 @@ class OuterSync:
         if fragment.optimizer is not None:
             fragment.optimizer.step()
             fragment.optimizer.zero_grad(set_to_none=True)
+        for i, source in zip(fragment.indices, fragment.globals, strict=True):
+            self.local(i).copy_(source)
+
+    def _restore_globals(self, fragment: _Fragment) -> None:
+        """A skipped round's local progress is dropped (as torchft's DiLoCo does); local_sgd keeps it."""
         for i, source in zip(fragment.indices, fragment.globals, strict=True):
             self.local(i).copy_(source)
 
@@ -263,6 +284,14 @@ def check_outer_settings(mode: str, compression: str) -> None:
             f"compression={compression!r} cannot serve mode='local_sgd': it would round the parameters themselves "
             f"at every sync. Use compression='none', or mode='diloco' (whose pseudo-gradients compress well) with "
             f"outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0), which averages parameters the same way."
+        )
+
+
+def _validate_reduce(reduce: Reducer | None, compression: str, overlap_steps: int) -> None:
+    if reduce is not None and (compression != "none" or overlap_steps != 0):
+        raise ConfigurationError(
+            f"A custom reduce (fault-tolerant DiLoCo) averages fp32 payloads at once; it needs compression='none' "
+            f"and overlap_steps=0, not compression={compression!r}, overlap_steps={overlap_steps}."
         )
 
 
