@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.moe import moe_layers
 
 
 def require_deepspeed() -> None:
@@ -153,4 +155,25 @@ def check_async_io() -> None:
         raise ConfigurationError(
             "NVMe offload (zero_infinity) needs DeepSpeed's async_io op, which builds against libaio: install it "
             "(Debian/Ubuntu: apt-get install libaio-dev) or use zero3_offload (host memory) instead."
+        )
+
+
+_DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def silence_deepspeed_noise() -> None:
+    """Ignore the deprecation warnings torch raises for DeepSpeed's collectives (idempotent)."""
+    warnings.filterwarnings("ignore", _DEEPSPEED_NOISE, FutureWarning, r"torch\.distributed\.c10d_logger")
+
+
+def refuse_moe(module: LightningModule) -> None:
+    """MoE layers are refused: DeepSpeed would partition the stacked expert weights as dense parameters (ZeRO-3
+    gathers every expert of a layer on every rank), with no expert dimension to shard them over."""
+    if moe_layers(module):
+        raise ConfigurationError(
+            "The ZeRO strategies do not train mixture-of-experts models: DeepSpeed partitions the stacked expert "
+            "weights like dense ones (ZeRO-3 would gather every expert of a layer on every rank) and has no expert "
+            "parallelism here; DeepSpeed's own MoE refuses stage 3. Use 'ep2' or Parallel3DStrategy(ep=N) (experts "
+            "sharded over ranks, tokens sent by all-to-all, the rest FSDP2), or 'fsdp2' / 'parallel_3d' (experts "
+            "sharded by FSDP2 like any weight)."
         )

@@ -174,9 +174,9 @@ def _module(**kwargs):
 
 
 def _not_writable():
-    from lightscale.strategies.zero import _writable_dir
+    from lightscale.strategies.deepspeed_config import writable_dir
 
-    _writable_dir(Path("/proc/lightscale_offload"))
+    writable_dir(Path("/proc/lightscale_offload"))
 
 
 def _export_wrong_prefix():
