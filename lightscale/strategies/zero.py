@@ -30,7 +30,8 @@ from lightscale.checkpoint.deepspeed_dir import (
     save_engine_directory,
 )
 from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
-from lightscale.checkpoint.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
+from lightscale.checkpoint.zero_load import load_zero_state_dict
+from lightscale.checkpoint.zero_portable import group_parameter_names, zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
