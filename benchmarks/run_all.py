@@ -18,6 +18,7 @@ BENCHMARKS = [
     "bench_memory.py",
     "bench_async_save.py",
     "bench_diloco.py",
+    "bench_slow_link.py",
 ]
 
 
