@@ -45,7 +45,8 @@ def _commands() -> list[list[str]]:
 
 
 def _run(argv: list[str], cwd: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # from a surrounding launcher
+    env = {key: value for key, value in os.environ.items() if key not in launched} | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 

@@ -46,7 +46,7 @@ class RoundRecord:
 
 def checksum(flat: Tensor) -> float:
     """Position-weighted sum in float64: linear, so the mean's checksum is the mean of the contributions'."""
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     return float((flat.detach().double().reshape(-1) * weights).sum())
 
 
