@@ -10,8 +10,7 @@ Validation and checkpoints' ``model.*`` entries see the fp32 global model (light
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +29,7 @@ from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
 from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
-from lightscale.parallel.fsdp import apply_fsdp, set_gradient_sync
+from lightscale.parallel.fsdp import apply_fsdp, no_gradient_sync
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
@@ -183,7 +182,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
         if self.inner == "fsdp2":
-            return _fsdp_no_sync(self.model)
+            return no_gradient_sync(self.model)
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
 
     @override
@@ -268,17 +267,6 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.reducer = None
         self.outer = None
         super().teardown()
-
-
-@contextmanager
-def _fsdp_no_sync(model: nn.Module | None) -> Iterator[None]:
-    if model is not None:
-        set_gradient_sync(model, False)
-    try:
-        yield
-    finally:
-        if model is not None:
-            set_gradient_sync(model, True)
 
 
 def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_momentum: float) -> None:
