@@ -15,6 +15,9 @@ outputs, Q, K, V, the attention output, the MLP's two 4h tensors), dropout masks
 fused (flash) attention its log-sum-exp instead of the 5·a·s/h softmax terms; plus the head's final norm and fp32
 log-softmax over the vocabulary.
 
+Context parallelism (``cp``) gives each rank ``s / cp`` tokens of every sequence: every term above is taken at the
+local length, and what the attention mode keeps besides (:func:`context_parallel_extra_bytes`) is added per layer.
+
 Example:
     >>> megatron_activation_bytes(s=2048, b=1, h=12288, a=96, layers=1)  # GPT-3 175B, one layer
     2868903936.0
@@ -63,7 +66,7 @@ def transformer_activation_bytes(
 ) -> dict[str, float]:
     """Bytes autograd saves for one micro-batch on one rank: ``layers`` (default all) blocks and the head."""
     e = ACTIVATION_BYTES[precision]
-    s, b, h, t = shape.seq_len, micro_batch, shape.hidden, layout.tp
+    s, b, h, t = shape.seq_len / layout.cp, micro_batch, shape.hidden, layout.tp  # s: this rank's tokens
     sp = t if layout.sequence_parallel else 1  # what sequence parallelism divides
     layers = shape.layers if layers is None else layers
     if layout.activation_checkpointing == "full":
@@ -71,7 +74,9 @@ def transformer_activation_bytes(
     elif layout.activation_checkpointing == "selective":
         per_layer = _selective_layer_bytes(shape, s=s, b=b, e=e, tp=t, sp=sp)
     else:
-        per_layer = _layer_bytes(shape, s=s, b=b, e=e, tp=t, sp=sp)
+        per_layer = _layer_bytes(shape, s=s, b=b, e=e, tp=t, sp=sp) + context_parallel_extra_bytes(
+            shape, layout, micro_batch=b, e=e
+        )
     logits = 4 * s * b * shape.vocab_size / (t if layout.loss_parallel else 1)  # fp32 log-softmax output
     # Final norm: input (sequence-sharded under SP) and output (gathered for the head), its mean and rstd; the
     # token ids of the embedding and the targets of the loss (int64).
@@ -79,7 +84,7 @@ def transformer_activation_bytes(
     return {"layers": per_layer * layers, "head": head}
 
 
-def _layer_bytes(shape: TransformerShape, *, s: int, b: int, e: int, tp: int, sp: int) -> float:
+def _layer_bytes(shape: TransformerShape, *, s: float, b: int, e: int, tp: int, sp: int) -> float:
     h, a = shape.hidden, shape.heads
     kv = shape.kv_heads or a
     # Norm inputs (sharded under SP) and outputs (the projections' inputs: gathered again under SP).
@@ -97,7 +102,27 @@ def _layer_bytes(shape: TransformerShape, *, s: int, b: int, e: int, tp: int, sp
     return elements * e + extra
 
 
-def _selective_layer_bytes(shape: TransformerShape, *, s: int, b: int, e: int, tp: int, sp: int) -> float:
+def context_parallel_extra_bytes(shape: TransformerShape, layout: Layout, *, micro_batch: int, e: int) -> float:
+    """Bytes per layer a cp attention mode keeps beyond this rank's share of the sequence (none at cp = 1).
+
+    ``ring`` keeps only local tensors (its backward sends K/V around again). ``allgather`` keeps the gathered K/V of
+    the whole sequence, ``(cp - 1) / cp`` of it beyond the local K/V. ``ulysses`` runs torch's attention on head
+    shards of the whole sequence, which keeps its output in that layout while the output projection keeps its own
+    copy in sequence shards (one local attention output), plus the two int64 permutations of the sequence.
+    """
+    cp, s, b = layout.cp, shape.seq_len, micro_batch
+    if cp == 1:
+        return 0.0
+    width = shape.hidden / layout.tp  # of this rank's heads
+    if layout.cp_mode == "allgather":
+        kv = (shape.kv_heads or shape.heads) / shape.heads
+        return 2 * b * s * (cp - 1) / cp * width * kv * e
+    if layout.cp_mode == "ulysses":
+        return b * s / cp * width * e + 2 * 8 * s
+    return 0.0
+
+
+def _selective_layer_bytes(shape: TransformerShape, *, s: float, b: int, e: int, tp: int, sp: int) -> float:
     """lightscale's selective policy (parallel/activation_checkpoint.py) keeps the block input and the outputs of
     matmuls and attention: Q, K, V, the attention output (+ log-sum-exp), the output projection's, the MLP's two.
     Row-parallel outputs are whole-size partial sums before their reduction, so TP does not divide them."""

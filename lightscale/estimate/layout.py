@@ -40,6 +40,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # routed experts split over ep ranks; dense states then shard over dp_shard (= inner dp x ep)
+    cp: int = 1  # sequences split over cp ranks (activations); dense states then shard over dp_shard (x cp)
+    cp_mode: str = "ring"  # how attention crosses the cp ranks: what it saves for backward differs
     stages_per_rank: int = 1
     microbatches: int = 1
     v_shape: bool = False  # zbv places stages in a V (rank r holds r and 2 pp - 1 - r)
@@ -56,7 +58,7 @@ class Layout:
 
     @property
     def expert_shard(self) -> int:
-        """Ranks that shard one ep rank's experts (FSDP over the inner data-parallel ranks)."""
+        """Ranks that shard one ep rank's experts (FSDP over the inner data-parallel ranks, x cp)."""
         return max(1, self.dp_shard // self.ep)
 
     def with_(self, **changes: Any) -> Layout:

@@ -5,7 +5,8 @@ Each strategy class declares which of its names the planner may choose (``planna
 is the order of communication per optimizer step and rank (Ψ = gradient bytes of the model): bucketed_ddp, zero1
 and zero2 (2Ψ: all-reduce, or reduce-scatter + all-gather), fsdp2 (3Ψ: parameters gathered again in backward),
 fsdp2 with full activation checkpointing (3Ψ and a second forward), fsdp2_offload (3Ψ plus host transfers), then
-tensor parallelism (tp2: per-layer collectives) when the model has a TP plan.
+context parallelism (cp2: the K/V of each attention layer passed around a ring; sequences, so activations, split in
+two) for declared transformers, then tensor parallelism (tp2: per-layer collectives) when the model has a TP plan.
 
 Example:
     >>> rows = plan(GPTModule(config), plan_candidates(), world_size=8, budget=40 * 2**30, micro_batch=8)
@@ -39,6 +40,7 @@ class Plannable:
     note: str  # what it adds over the previous candidate
     activation_checkpointing: str | None = None  # None: the strategy's own mode
     tp: int = 1  # > 1: only for models with a TP plan, on a world size this divides
+    cp: int = 1  # > 1: only for declared transformers (transformer_shape: SDPA attention), on a world size it divides
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,12 @@ def plan(
 ) -> list[Candidate]:
     """Every applicable option with its estimate and whether it fits ``budget`` device bytes per rank."""
     tensor_parallel = has_hook(module, "tp_plan")
+    transformer = has_hook(module, "transformer_shape")
     candidates = []
     for option in options:
         if option.tp > 1 and not (tensor_parallel and world_size % option.tp == 0):
+            continue
+        if option.cp > 1 and not (transformer and world_size % option.cp == 0):
             continue
         est = estimate_memory(
             module,

@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Literal
 
@@ -26,6 +27,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.context_parallel.dispatch import active_attention
 from lightscale.saved_tensors import note_kept
 
 ACMode = Literal["none", "full", "selective"]
@@ -63,10 +65,26 @@ def apply_activation_checkpointing(units: Iterable[nn.Module], *, mode: ACMode) 
     if mode == "none":
         return
     for unit in units:
-        if mode == "full":
-            checkpoint(unit)
-        else:
-            checkpoint(unit, context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+        checkpoint(unit, context_fn=partial(_contexts, selective=mode == "selective"))
+
+
+def _contexts(*, selective: bool) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The forward and recompute contexts of one checkpointed call, taken when the forward starts. The recompute
+    runs in backward, outside the step: it re-enters the context-parallel attention its forward ran under, so the
+    unit routes attention and reads positions as it did (lightscale/parallel/context_parallel)."""
+    forward, recompute = (
+        create_selective_checkpoint_contexts(_selective_policy) if selective else (nullcontext(), nullcontext())
+    )
+    attention = active_attention()
+    if attention is not None:
+        recompute = _both(attention, recompute)
+    return forward, recompute
+
+
+@contextmanager
+def _both(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def maybe_compile_units(units: Iterable[nn.Module], *, enabled: bool) -> None:

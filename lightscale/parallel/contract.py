@@ -5,6 +5,9 @@ FSDP2, ``parallel_3d`` with only ``dp``): its network is the module itself (or i
 units are inferred (:func:`~lightscale.parallel.fsdp.infer_units`). Tensor and pipeline parallelism need a plan,
 so ``tp > 1`` asks for :meth:`ParallelModel.tp_plan` and ``pp > 1`` for :meth:`ParallelModel.pipeline_stages`
 and :meth:`ParallelModel.loss_fn`; a missing hook is a :class:`ConfigurationError` naming it, before any work.
+Context parallelism (``cp > 1``) needs no hook for ``(tokens, targets)`` batches of ``(batch, seq)`` tensors; other
+batches say where their sequence dimension is through :meth:`ParallelModel.sequence_dims`. The model itself reads
+its tokens' global positions from :func:`lightscale.parallel.context_parallel.positions` (``arange`` on one device).
 
 Example (a model opting into TP and pipelines; the GPT recipe's ``GPTModule`` is the full version)::
 
@@ -33,9 +36,9 @@ Example (a model opting into TP and pipelines; the GPT recipe's ``GPTModule`` is
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -87,6 +90,12 @@ class ParallelModel(Protocol):
 
     def validate_parallelism(self, *, tp: int, num_stages: int, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Raise ConfigurationError if the model cannot be split this way (called before any model work)."""
+        ...
+
+    def sequence_dims(self, batch: Any) -> Any:
+        """Under context parallelism: each tensor's sequence dimension in ``batch``, as a structure like it (a tuple
+        for a tuple, a dict for a dict; ``None`` keeps a tensor whole on every cp rank). Labels must be next-token
+        targets already (shifted before sharding). Default: ``(batch, seq)`` tensors, sequence dimension 1."""
         ...
 
     def transformer_shape(self) -> TransformerShape:
@@ -152,3 +161,36 @@ def check_hooks(module: nn.Module, *, tp: int, pp: int) -> None:
             "num_stages) -> module names per stage, loss_fn(output, target) -> microbatch loss, and a loss(batch) "
             "method that training_step uses (the pipeline serves it). See lightscale/parallel/contract.py, or use pp=1."
         )
+
+
+def sequence_dims_of(module: nn.Module, batch: Any, *, name: str | None = None) -> Any:
+    """Where ``batch``'s tensors have their sequence dimension (context parallelism shards it): the module's
+    ``sequence_dims(batch)``, else dimension 1 of every tensor of a batch of ``(batch, seq)`` tensors (a tensor, a
+    tuple/list or a dict of them, e.g. ``(tokens, targets)``); anything else is refused, naming the hook on the
+    module's class ``name`` (default: its class name now)."""
+    if has_hook(module, "sequence_dims"):
+        return module.sequence_dims(batch)  # type: ignore[attr-defined]
+    tensors = list(batch.values()) if isinstance(batch, Mapping) else batch
+    tensors = [tensors] if isinstance(tensors, Tensor) else tensors
+    plain = isinstance(tensors, (list, tuple)) and bool(tensors)
+    if plain and all(isinstance(t, Tensor) and t.dim() == 2 for t in tensors) and len({t.shape for t in tensors}) == 1:
+        if isinstance(batch, Tensor):
+            return 1
+        return {key: 1 for key in batch} if isinstance(batch, Mapping) else type(batch)([1] * len(batch))
+    name = name or type(module).__name__
+    raise ConfigurationError(
+        f"Context parallelism (cp > 1) shards each batch along its sequence dimension, and {name}'s batch is not a "
+        f"(tokens, targets)-like batch of equal (batch, seq) tensors: got {_describe(batch)}. Define "
+        f"{name}.sequence_dims(self, batch) returning each tensor's sequence dimension (None keeps it whole), as a "
+        "structure like the batch (see lightscale/parallel/contract.py), or use cp=1."
+    )
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, Tensor):
+        return f"a tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{key!r}: {_describe(value)}" for key, value in batch.items()) + "}"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__}(" + ", ".join(_describe(value) for value in batch) + ")"
+    return type(batch).__name__

@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.mesh import expert_data_mesh
 from lightscale.parallel.moe import MoE
 
 
@@ -131,13 +132,15 @@ def expert_parameters(layers: Sequence[MoE]) -> set[nn.Parameter]:
 def shard_experts_over_data(
     layers: Sequence[MoE], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None
 ) -> None:
-    """FSDP2 on each layer's expert-parallel experts over ``dp_shard`` (the ranks holding the same experts).
+    """FSDP2 on each layer's expert-parallel experts over the ranks holding the same experts (``dp_shard``, times
+    ``cp`` under context parallelism: lightscale/parallel/mesh.py's ``expert_data_mesh``).
 
-    Its reduction averages over those ``dp_shard`` ranks; the divide factor makes it the mean over every rank
-    with a batch (dp_shard x ep), as for the dense part.
+    Its reduction sums over those ranks; the divide factor makes it the mean over every rank computing gradients
+    (dp_shard x ep x cp), as for the dense part.
     """
-    factor = float(mesh["dp_shard"].size() * mesh["ep"].size())
+    replicas = expert_data_mesh(mesh)
+    factor = float(replicas.size() * mesh["ep"].size())
     for layer in layers:
-        fully_shard(layer.experts, mesh=mesh["dp_shard"], mp_policy=mp_policy or MixedPrecisionPolicy())
+        fully_shard(layer.experts, mesh=replicas, mp_policy=mp_policy or MixedPrecisionPolicy())
         layer.experts.set_gradient_divide_factor(factor)
         layer.experts.set_force_sum_reduction_for_comms(True)  # a sum then a division: gloo has no PREMUL_SUM

@@ -3,6 +3,10 @@
 Every lightscale strategy describes its layout with one :class:`ParallelDims`, so the checks (the degrees
 multiply to the world size, ``-1`` infers one degree), the axis names, the data-parallel rank of a global rank and
 the derived meshes and groups (the data-parallel mesh FSDP shards over, the pipeline group) live in one place.
+
+Context parallelism (``cp``) shards each sample's sequence over ranks that read the same samples: its ranks share a
+data shard like tensor-parallel ones, and FSDP2 shards (and averages gradients) over ``dp_shard x cp`` as torchtitan
+does (its ``dp_shard_cp``), since every cp rank computes gradients from its own tokens.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightscale.errors import ConfigurationError
 
-# Outer to inner: pipeline stages talk least, tensor-parallel ranks talk most, so tp is the fastest-varying axis.
-AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+# Outer to inner: pipeline stages talk least, tensor-parallel ranks talk most, so tp is the fastest-varying axis;
+# context-parallel ranks exchange K/V every attention layer, next to tp.
+AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 @dataclass
@@ -35,6 +40,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -82,8 +88,18 @@ class ParallelDims:
         return self.dp * self.ep
 
     @property
+    def fsdp_size(self) -> int:
+        """Ranks the dense parameters' gradients are averaged over: every rank with a batch of its own (dp x ep)
+        times the cp ranks splitting each batch's sequences (FSDP2 shards over all of them but dp_replicate)."""
+        return self.data_shards * self.cp
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def pp_enabled(self) -> bool:
@@ -99,10 +115,10 @@ class ParallelDims:
         return init_device_mesh(device_type, shape, mesh_dim_names=AXIS_ORDER)
 
     def data_rank(self, global_rank: int) -> int:
-        """The index of ``global_rank``'s data shard among :attr:`data_shards`: ranks that share a batch (tensor or
-        pipeline parallel) share it; expert-parallel ranks do not (they are data-parallel ranks exchanging tokens).
-        The mesh is ``AXIS_ORDER``, tp fastest: the (dp, ep) index has stride tp."""
-        return global_rank // self.tp % self.data_shards
+        """The index of ``global_rank``'s data shard among :attr:`data_shards`: ranks that share a batch (tensor,
+        context or pipeline parallel) share it; expert-parallel ranks do not (they are data-parallel ranks exchanging
+        tokens). The mesh is ``AXIS_ORDER``, tp fastest then cp: the (dp, ep) index has stride cp x tp."""
+        return global_rank // (self.cp * self.tp) % self.data_shards
 
     def sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
         """``DistributedSampler`` arguments: one replica per data shard."""
@@ -128,14 +144,42 @@ def _valid_degree(degree: Any, *, inferable: bool) -> bool:
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ``dp_shard`` axis, or ``(dp_replicate, dp_shard)`` when replicas exist (HSDP; shard 1 = replication).
 
-    With expert parallelism the dense part shards over ``dp_shard x ep`` (every rank with a batch of its own).
+    With expert parallelism the dense part shards over ``dp_shard x ep`` (every rank with a batch of its own), with
+    context parallelism over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``), with both over ``dp_shard x ep x cp``.
     """
+    shard = _flattened(mesh, ["dp_shard", *(axis for axis in ("ep", "cp") if mesh[axis].size() > 1)])
     if mesh["ep"].size() > 1:
         assert mesh["dp_replicate"].size() == 1, "expert parallelism with replicated data parallelism is refused"
-        return mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        return shard
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return _replicas_by_shards(mesh, shard)
+    return shard
+
+
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding the same expert-parallel experts: ``dp_shard``, times ``cp`` under context parallelism
+    (cp ranks route their own tokens to the same experts)."""
+    return _flattened(mesh, ["dp_shard", "cp"] if mesh["cp"].size() > 1 else ["dp_shard"])
+
+
+def context_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of the ``cp`` axis, or None without context parallelism."""
+    return mesh["cp"].get_group() if mesh["cp"].size() > 1 else None
+
+
+def _replicas_by_shards(mesh: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:
+    """The 2-D ``(dp_replicate, shard)`` mesh HSDP runs on; a flattened shard axis is joined by ``_concatenate``
+    (slicing a flattened axis from the root mesh is deprecated from torch 2.11; older torch has only that)."""
+    name = shard.mesh_dim_names[0]
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if name == "dp_shard" or concatenate is None:
+        return mesh["dp_replicate", name]
+    return concatenate([mesh["dp_replicate"], shard])
+
+
+def _flattened(mesh: DeviceMesh, axes: list[str]) -> DeviceMesh:
+    """One axis of ``mesh`` named ``axes`` joined by ``_`` (the axis itself if there is one)."""
+    return mesh[axes[0]] if len(axes) == 1 else mesh[tuple(axes)]._flatten("_".join(axes))
 
 
 def pipeline_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
 from lightscale.parallel.fsdp import apply_fsdp
-from lightscale.parallel.mesh import data_parallel_mesh
+from lightscale.parallel.mesh import data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.moe import MoE
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 
@@ -56,7 +56,8 @@ def parallelize_model(
     ``network`` is the module ``tp_plan``'s patterns are relative to (default ``root``); ``units`` are the
     repeated blocks (FSDP groups, checkpoint and compile units); ``root`` takes every parameter left over.
     ``moe_layers`` have their routed experts sharded over ``ep`` (expert parallelism) when ``ep > 1``; FSDP then
-    shards those over the ranks that hold the same experts (``dp_shard``), the rest over ``dp_shard x ep``.
+    shards those over the ranks that hold the same experts (``dp_shard``, x ``cp``), the rest over ``dp_shard x ep``
+    (x ``cp``). Context parallelism changes no module: attention is routed at run time (the strategy's step).
     """
     if mesh["tp"].size() > 1:
         assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
@@ -68,7 +69,7 @@ def parallelize_model(
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)
     dp_mesh = data_parallel_mesh(mesh)
-    if ignored and mesh["dp_shard"].size() > 1:
+    if ignored and expert_data_mesh(mesh).size() > 1:
         shard_experts_over_data(moe_layers, mesh, mp_policy=options.mp_policy)
         ignored = set()  # FSDP-managed now: the dense groups below leave them alone
     if dp_mesh.size() > 1 or options.always_shard:

@@ -10,6 +10,10 @@ How a pipelined step fits Lightning's loop is lightscale/strategies/pipeline_ste
 broadcast from the last stage, is returned on every rank, so ``self.log`` works unchanged. Clipping (by norm, over
 dp x tp x pp: the precision plugin's, lightscale/plugins/fsdp_precision.py), LR schedulers and optimizer steps are
 Lightning's. Validation, test and predict run a forward-only schedule (lightscale/parallel/pipeline_runtime.py).
+
+Context parallelism (``cp > 1``) changes no module: each step's batch is cut along the sequence and the model's SDPA
+calls are routed across the cp ranks while the step runs (and when checkpointed blocks are recomputed in backward);
+lightscale/strategies/context_parallel_step.py and docs/strategies/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -32,6 +36,8 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
+from lightscale.parallel.context_parallel import MODES as CP_MODES
+from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import (
     check_hooks,
     data_parallel_root,
@@ -43,7 +49,7 @@ from lightscale.parallel.contract import (
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
 from lightscale.parallel.fsdp import check_shardable, contains_module
-from lightscale.parallel.mesh import ParallelDims, check_degrees, pipeline_group
+from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
 from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
@@ -58,12 +64,18 @@ from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
 from lightscale.plugins.fsdp_precision import mp_policy, parallel_3d_precision_plugin, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.context_parallel_step import (
+    ContextParallelStep,
+    check_context_parallel_model,
+    check_context_parallel_moe,
+    predict_refusal,
+)
 from lightscale.strategies.pipeline_step import PipelinedModule, SplittableBatches
 
 
 class Parallel3DStrategy(LightscaleStrategy):
-    """Data, tensor, pipeline and expert parallelism in one mesh ``(pp, dp_replicate, dp_shard, ep, tp)``, tp
-    innermost.
+    """Data, tensor, pipeline, expert and context parallelism in one mesh ``(pp, dp_replicate, dp_shard, ep, cp,
+    tp)``, tp innermost.
 
     Args:
         dp: data-parallel degree; ``-1`` infers it from the world size.
@@ -71,6 +83,11 @@ class Parallel3DStrategy(LightscaleStrategy):
         pp: pipeline-parallel degree (stages across nodes: one send per microbatch and stage).
         ep: expert-parallel degree: MoE experts sharded over ``ep`` ranks carved from the data-parallel ones
             (each sees its own batch; tokens travel to their experts by all-to-all). See docs/strategies/moe.md.
+        cp: context-parallel degree: each sample's sequence sharded over ``cp`` ranks that read the same samples,
+            attention computed across them for any model calling ``F.scaled_dot_product_attention``; FSDP2 shards
+            over ``dp x cp``. See docs/strategies/context_parallel.md.
+        cp_mode: how attention crosses the cp ranks: ``"ring"`` (K/V passed around, overlapped), ``"allgather"``
+            (K/V gathered once per layer) or ``"ulysses"`` (all-to-all to head shards; heads per tp rank divide by cp).
         dp_mode: ``"shard"`` (FSDP2) or ``"replicate"`` (parameters replicated, gradients all-reduced).
         schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` or ``zbv``.
         microbatches: microbatches per step (default: pp); the per-rank batch must divide into them.
@@ -96,8 +113,20 @@ class Parallel3DStrategy(LightscaleStrategy):
         "ep2": ("MoE experts sharded over 2 ranks (all-to-all), the rest FSDP2 over all ranks", {"ep": 2}),
         "ep2_pp2": ("MoE expert parallel 2 x pipeline 2 (1f1b), the rest FSDP2", {"ep": 2, "pp": 2}),
         "ep2_tp2": ("MoE expert parallel 2 x tensor parallel 2, the rest FSDP2", {"ep": 2, "tp": 2}),
+        "cp2": (
+            "context parallel over 2 ranks: sequences sharded, attention by ring (any SDPA model), FSDP2 over dp x cp",
+            {"cp": 2},
+        ),
+        "cp2_tp2": ("context parallel 2 x tensor parallel 2, the rest FSDP2", {"cp": 2, "tp": 2}),
     }
     plannable = (
+        Plannable(
+            "cp2",
+            "3Ψ + K/V ring/layer",
+            "+ sequences split over 2 ranks (activations / 2)",
+            activation_checkpointing="full",
+            cp=2,
+        ),
         Plannable(
             "tp2",
             "3Ψ/2 + 4bsh/layer",
@@ -109,9 +138,10 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
-        """Dense states sharded by FSDP2 over dp_shard x ep, layers split over tp, stages over pp."""
+        """Dense states sharded by FSDP2 over dp_shard x ep x cp, layers split over tp, stages over pp, sequences over
+        cp (activations)."""
         dims = self.parallel_dims(world_size)
-        dense_shard = dims.dp_shard * dims.ep  # FSDP2 shards the dense part over the ep ranks too
+        dense_shard = dims.dp_shard * dims.ep * dims.cp  # FSDP2 shards the dense part over the ep and cp ranks too
         sharded = dense_shard > 1
         return Layout(
             type(self).__name__,
@@ -124,6 +154,8 @@ class Parallel3DStrategy(LightscaleStrategy):
             tp=dims.tp,
             pp=dims.pp,
             ep=dims.ep,
+            cp=dims.cp,
+            cp_mode=self.cp_mode,
             stages_per_rank=self.stages_per_rank if dims.pp > 1 else 1,
             microbatches=self.microbatches,
             v_shape=self.schedule == "zbv",
@@ -141,6 +173,8 @@ class Parallel3DStrategy(LightscaleStrategy):
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        cp: int = 1,
+        cp_mode: CPMode = "ring",
         dp_mode: Literal["shard", "replicate"] = "shard",
         schedule: str = "1f1b",
         microbatches: int | None = None,
@@ -160,13 +194,16 @@ class Parallel3DStrategy(LightscaleStrategy):
         self.compile = compile
         self._parallelized: LightningModule | None = None
         self.pipelined: PipelinedModule | None = None  # the module's network as this rank's pipeline stages
+        self.context_parallel: ContextParallelStep | None = None  # cp > 1: the step's sharding and attention
         if dp_mode not in ("shard", "replicate"):
             raise ConfigurationError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}.")
-        check_degrees({"dp": dp, "tp": tp, "pp": pp, "ep": ep}, inferable=["dp"])  # at construction
+        check_degrees({"dp": dp, "tp": tp, "pp": pp, "ep": ep, "cp": cp}, inferable=["dp"])  # at construction
         if ep > 1 and dp_mode == "replicate":
             raise ConfigurationError("ep > 1 shards the dense part with FSDP2 over dp x ep: use dp_mode='shard'.")
+        _check_cp_options(cp, cp_mode, compile=compile)
         schedule_class(schedule)  # unknown names fail here
-        self.dp, self.tp, self.pp, self.ep, self.dp_mode = dp, tp, pp, ep, dp_mode
+        self.dp, self.tp, self.pp, self.ep, self.cp, self.dp_mode = dp, tp, pp, ep, cp, dp_mode
+        self.cp_mode = cp_mode
         self.schedule = schedule
         self.microbatches = microbatches if microbatches is not None else pp
         self.stages_per_rank = stages_per_rank if stages_per_rank is not None else default_stages_per_rank(schedule)
@@ -199,6 +236,7 @@ class Parallel3DStrategy(LightscaleStrategy):
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
+            cp=self.cp,
         )
 
     @override
@@ -213,12 +251,20 @@ class Parallel3DStrategy(LightscaleStrategy):
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
             )
+        if self.cp > 1:
+            trainer = module.trainer
+            if trainer.state.fn == TrainerFn.PREDICTING:
+                raise ConfigurationError(predict_refusal(self.cp))
+            block_size = getattr(trainer.datamodule, "block_size", None)  # a datamodule's declared sequence length
+            length = block_size if isinstance(block_size, int) else None
+            check_context_parallel_model(module, cp=self.cp, tp=self.tp, mode=self.cp_mode, sequence_length=length)
 
     # ---- applying parallelism ------------------------------------------------------------------------------
     @property
     def shards_data_parallel(self) -> bool:
-        """FSDP applies to the whole LightningModule (no pipeline, dp x ep > 1): precision is then FSDP's policy."""
-        return self.dims.data_shards > 1 and not self.dims.pp_enabled
+        """FSDP applies to the whole LightningModule (no pipeline, dp x ep x cp > 1): precision is then FSDP's
+        policy."""
+        return self.dims.fsdp_size > 1 and not self.dims.pp_enabled
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -229,7 +275,11 @@ class Parallel3DStrategy(LightscaleStrategy):
         self._parallelized = module
         if self.dims.ep_enabled:
             check_expert_parallel(moe_layers(module), self.ep)
-        if self.dims.data_shards > 1:
+        if self.dims.cp_enabled:
+            check_context_parallel_moe(module, cp=self.cp)
+            group = context_parallel_group(self.device_mesh)
+            self.context_parallel = ContextParallelStep(module, group, mode=self.cp_mode)
+        if self.dims.fsdp_size > 1:
             check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
@@ -295,11 +345,25 @@ class Parallel3DStrategy(LightscaleStrategy):
     def step_context(self, step: str) -> Iterator[None]:
         with ExitStack() as stack:
             stack.enter_context(self._loss_parallel())
+            if self.context_parallel is not None:
+                trainer = self.lightning_module.trainer
+                stack.enter_context(self.context_parallel.serving(trainer, self.reduce))
             if self.pipelined is not None:
                 scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: scales each microbatch loss
                 loss_scale = scaler.scale if scaler is not None else None
                 stack.enter_context(self.pipelined.serving(step, loss_scale=loss_scale))
             yield
+
+    @override
+    def call_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Under cp the step gets this rank's tokens of the batch (hooks and callbacks see the data shard's)."""
+        if self.context_parallel is None or not args:
+            return super().call_step(step, *args, **kwargs)
+        batch, *rest = args
+        output = super().call_step(step, self.context_parallel.shard(batch), *rest, **kwargs)
+        if step == "training_step":
+            self.context_parallel.check_attention_called()
+        return output
 
     @property
     @override
@@ -337,8 +401,8 @@ class Parallel3DStrategy(LightscaleStrategy):
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
         enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
-        if self.compression != "none" and self.dims.data_shards == 1:
-            rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = 1, no gradient is reduced.")
+        if self.compression != "none" and self.dims.fsdp_size == 1:
+            rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = cp = 1, no gradient is reduced.")
         # FSDP casts per unit (MixedPrecisionPolicy) exactly as under fsdp2 when it wraps the whole module; clipping
         # by norm spans dp x tp x pp.
         pp_group = pipeline_group(self.device_mesh)
@@ -374,4 +438,16 @@ class Parallel3DStrategy(LightscaleStrategy):
             module.pipeline_stages(self.num_stages),
             owner_of=lambda stage: stage_ids_owner(stage, self.pp, v_shape=v_shape),
             pp_group=self.device_mesh["pp"].get_group(),
+        )
+
+
+def _check_cp_options(cp: int, mode: str, *, compile: bool) -> None:
+    """Refuse, at construction, a cp attention mode that does not exist and options cp does not compose with."""
+    if mode not in CP_MODES:
+        raise ConfigurationError(f"Unknown cp_mode {mode!r}; valid: {list(CP_MODES)}.")
+    if cp > 1 and compile:
+        raise ConfigurationError(
+            f"cp={cp} with compile=True is not supported: context parallelism routes attention through a "
+            "TorchFunctionMode and point-to-point collectives, which torch.compile'd blocks would graph-break around "
+            "or bake out. Use compile=False with cp > 1, or cp=1."
         )

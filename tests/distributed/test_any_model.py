@@ -26,18 +26,20 @@ TOLERANCE = 1e-5  # relative, per step, fp32
 STEPS = 6
 GLOBAL_BATCH = 8
 NAMES = [name for name, _ in lightscale.strategy_table()]
-RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4, "ep2_tp2": 4}
+RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4, "ep2_tp2": 4, "cp2_tp2": 4}
 NEEDS_A_PLAN = {
     "tp2": "tp_plan",
     "pp2": "pipeline_stages",
     "tp2_pp2": "tp_plan",
     "ep2_pp2": "pipeline_stages",
     "ep2_tp2": "tp_plan",
+    "cp2_tp2": "tp_plan",
 }
 # Workers train alone between syncs (every 100 steps by default): parity holds for the first step only (same start,
 # every sample once); test_diloco.py checks DiLoCo against data parallelism exactly at H=1.
 TRAIN_ALONE = {"diloco", "streaming_diloco", "local_sgd"}
 NEEDS_EXPERTS = {"ep2"}  # expert parallelism shards MoE layers: a dense model gets a clear error
+NEEDS_A_SEQUENCE = {"cp2"}  # context parallelism shards sequences: (features, labels) batches have none
 
 
 class Block(nn.Module):
@@ -116,6 +118,10 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
     ranks = RANKS.get(name, 2)
     if name in NEEDS_EXPERTS:
         with pytest.raises(RankFailed, match=r"ep=2 shards MoE experts, but the model has no"):
+            run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks)
+        return
+    if name in NEEDS_A_SEQUENCE:
+        with pytest.raises(RankFailed, match=r"UserModule's batch is not a \(tokens, targets\)-like.*sequence_dims"):
             run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks)
         return
     if name in NEEDS_A_PLAN:

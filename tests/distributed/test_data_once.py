@@ -1,7 +1,7 @@
 """Every sample exactly once per epoch per data-parallel group, for a user's own DataLoader, under every strategy.
 
 The dataset is the test's own map-style Dataset: sample ``i`` is a token window whose first token is ``i``, so a
-callback records which samples each rank trained on. Ranks of one data-parallel group (tp, pp) must see the same
+callback records which samples each rank trained on. Ranks of one data-parallel group (tp, pp, cp) must see the same
 samples; different groups (dp, ep) disjoint ones; together every sample once (the remainder under a pipeline is
 dropped with a warning naming how many).
 """
@@ -105,6 +105,7 @@ def _every_family() -> dict[str, dict[str, Any]]:
         "tp2": _fit(Parallel3DStrategy(tp=2), TINY),
         "pp2": _fit(Parallel3DStrategy(pp=2), PIPELINED),
         "ep2": _fit(Parallel3DStrategy(dp=2, ep=2), MOE),
+        "cp2": _fit(Parallel3DStrategy(dp=2, cp=2), TINY),  # the cp ranks of a data shard read the same samples
     }
 
 
@@ -123,7 +124,7 @@ def _check_exactly_once(runs: list[dict[str, Any]], *, dropped: int = 0) -> None
 
 def test_every_sample_once_under_every_family() -> None:
     results = run_distributed(_every_family, world_size=4, timeout_s=600)
-    for name in ("bucketed_ddp", "zero2", "fsdp2", "tp2", "ep2"):
+    for name in ("bucketed_ddp", "zero2", "fsdp2", "tp2", "ep2", "cp2"):
         _check_exactly_once([rank[name] for rank in results])
     # A pipeline runs one batch shape: 22 = 5 global batches of 2 x 2 dp groups + 2, dropped with a warning.
     _check_exactly_once([rank["pp2"] for rank in results], dropped=2)

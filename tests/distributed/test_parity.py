@@ -25,8 +25,8 @@ TOLERANCE = 1e-5  # relative, per step, fp32 (measured ~1e-7: reassociation of t
 STEPS = 10
 GLOBAL_BATCH = 8
 PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)  # stages hold whole layers; no tied head
-RANKS = {"hsdp": 4, "tp2_pp2": 4}
-DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1}  # the rest of the ranks are data parallel
+RANKS = {"hsdp": 4, "tp2_pp2": 4, "cp2_tp2": 4}
+DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1, "cp2": 1, "cp2_tp2": 1}  # the rest of the ranks are data parallel
 # Names whose gradients are approximate by design: bf16 on the wire (8 bits of mantissa); PowerSGD's rank-4
 # factors with error feedback (measured 7.4e-3 here; its exact properties: tests/distributed/test_powersgd.py).
 APPROXIMATE = {"bucketed_ddp_bf16": 2e-2, "bucketed_ddp_powersgd": 2e-2}

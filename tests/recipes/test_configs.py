@@ -49,3 +49,15 @@ def check_clip(model, data) -> None:
 
 
 CHECKS = {"gpt": check_gpt, "vit": check_vit, "clip": check_clip}
+
+
+def test_long_context_config_fits_its_activation_budget_only_with_cp() -> None:
+    # gpt/long_cp4.yaml states a 32 MiB per-rank budget for activations: 8192 tokens exceed it on one process and fit
+    # at cp=4 (each rank saves a quarter; measured 19.2 vs 76.7 MiB, docs/strategies/context_parallel.md).
+    from lightscale.estimate import estimate_memory
+
+    cli = build_cli(["--config", resolve_config("gpt/long_cp4.yaml"), "--trainer.devices", "1"], run=False)
+    budget = 32 * 2**20
+    cp4 = estimate_memory(cli.model, cli.trainer.strategy, world_size=4).activations.device
+    cp1 = estimate_memory(cli.model, "parallel_3d", world_size=1).activations.device
+    assert cp4 <= budget < cp1 and cp4 == pytest.approx(cp1 / 4, rel=1e-3)

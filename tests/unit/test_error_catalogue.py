@@ -218,6 +218,48 @@ def _plain_lightning_strategy(name):
     lightning.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
 
 
+def _cp_model(module, *, cp, tp=1, mode="ring", sequence_length=None):
+    from lightscale.strategies.context_parallel_step import check_context_parallel_model
+
+    check_context_parallel_model(module, cp=cp, tp=tp, mode=mode, sequence_length=sequence_length)
+
+
+def _gpt_module(**config):
+    from lightscale.recipes.gpt import GPTModule
+
+    return GPTModule(_cfg(**config))
+
+
+def _cp_moe(**moe):
+    from lightscale.parallel.moe import MoEConfig
+    from lightscale.strategies.context_parallel_step import check_context_parallel_moe
+
+    module = _gpt_module(moe=MoEConfig(n_experts=4, top_k=2, **moe))
+    with torch.device("meta"):
+        module.configure_model()
+    check_context_parallel_moe(module, cp=2)
+
+
+def _cp_masked_attention():
+    from lightscale.parallel.context_parallel import ContextParallelAttention
+
+    q = torch.zeros(1, 2, 8, 4)
+    with ContextParallelAttention():  # refused before any communication: no process group needed
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+def _cp_no_attention():
+    from lightscale.strategies.context_parallel_step import check_attention_calls
+
+    check_attention_calls(0, module_name="MyModel", cp=2)  # what the first training step found, summed over ranks
+
+
+def _cp_batch():
+    from lightscale.parallel.contract import sequence_dims_of
+
+    sequence_dims_of(torch.nn.Linear(2, 2), (torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))
+
+
 def _zero_fit(**trainer_kwargs):
     from lightscale.recipes.gpt import GPTModule
 
@@ -298,6 +340,30 @@ CATALOGUE: list[tuple] = [
      lambda: _gpt_parallel(_cfg(n_layer=3, tie_weights=False), 1, 2), CE, r"3 layers do not divide into 2"),
     ("p3d-tied", "tied embeddings with a pipeline", lambda: _gpt_parallel(_cfg(n_layer=2), 1, 2), CE,
      r"tie_weights: false"),
+    ("cp-degree", "a context-parallel degree of 0", lambda: _p3d(cp=0), CE, r"cp=0 is not valid: use a positive"),
+    ("cp-mode", "unknown context-parallel attention mode", lambda: _p3d(cp=2, cp_mode="rings"), CE,
+     r"Unknown cp_mode 'rings'; valid: \['ring', 'allgather', 'ulysses'\]"),
+    ("cp-compile", "cp with torch.compile'd blocks", lambda: _p3d(cp=2, compile=True), CE,
+     r"cp=2 with compile=True is not supported.*compile=False"),
+    ("cp-sequence", "sequence not divisible by 2 x cp", lambda: _cp_model(None, cp=4, sequence_length=20), CE,
+     r"Sequence length 20 is not divisible by 2 \* cp = 8 \(cp=4\).*\(e.g. 24\)"),
+    ("cp-sequence-short", "sequence shorter than 2 x cp", lambda: _cp_model(None, cp=4, sequence_length=6), CE,
+     r"Sequence length 6 is shorter than 2 \* cp = 8 \(cp=4\).*\(e.g. 8\)"),
+    ("cp-ulysses-heads", "ulysses with attention heads not divisible by cp",
+     lambda: _cp_model(_gpt_module(n_head=2, n_embd=64), cp=4, mode="ulysses"), CE,
+     r"heads/tp = 2 .*do not divide by 4. Use cp_mode='ring' or 'allgather'"),
+    ("cp-tp-heads", "ulysses with cp x tp larger than the heads", lambda: _cp_model(_gpt_module(n_head=4, n_embd=64),
+     cp=4, tp=2, mode="ulysses"), CE, r"heads/tp = 2 and kv_heads/tp = 2 \(tp=2\) do not divide by 4"),
+    ("cp-mask", "an attention mask tensor under cp", _cp_masked_attention, CE,
+     r"is_causal=True or no mask.*attn_mask tensor of shape \(8, 8\) \(dtype torch.bool\)"),
+    ("cp-no-attention", "a model that never calls F.scaled_dot_product_attention under cp", _cp_no_attention, CE,
+     r"MyModel called it nowhere during the first training step.*scaled_dot_product_attention"),
+    ("cp-batch", "a batch without a sequence dimension under cp", _cp_batch, CE,
+     r"not a \(tokens, targets\)-like batch.*shape \(4, 3, 32, 32\).*Linear.sequence_dims\(self, batch\)"),
+    ("cp-moe-capacity", "MoE capacity-factor dropping under cp", lambda: _cp_moe(capacity_factor=1.0), CE,
+     r"capacity_factor=1.0.*Use dropless routing \(capacity_factor: null\) with balance: bias"),
+    ("cp-moe-aux", "MoE aux-loss balancing under cp", lambda: _cp_moe(balance="aux_loss"), CE,
+     r"per-sequence statistics .*balance='aux_loss'.*balance: bias"),
     ("pp-microbatches", "fewer microbatches than stages under 1f1b",
      lambda: _p3d(pp=4, schedule="1f1b", microbatches=2), CE,
      r"'1f1b' needs at least as many microbatches as stages.*>= 4"),

@@ -25,3 +25,13 @@ def test_cannot_infer_from_a_non_divisor() -> None:
 def test_rejects_bad_degrees(bad: dict) -> None:
     with pytest.raises(ValueError, match="degree"):
         ParallelDims(world_size=4, **bad)
+
+
+def test_context_parallel_ranks_share_their_data_shard() -> None:
+    # Mesh (pp, dp_replicate, dp_shard, ep, cp, tp), tp fastest then cp: the cp ranks of a batch read the same samples,
+    # and FSDP2 averages gradients over every rank computing them (dp x ep x cp).
+    dims = ParallelDims(world_size=16, dp_shard=2, ep=2, cp=2, tp=2)
+    assert (dims.data_shards, dims.fsdp_size, dims.cp_enabled) == (4, 8, True)
+    assert [dims.data_rank(rank) for rank in range(16)] == [r // 4 for r in range(16)]
+    assert dims.sampler_kwargs(13) == {"num_replicas": 4, "rank": 3}
+    assert ParallelDims(world_size=4, dp_shard=-1, cp=2).dp_shard == 2

@@ -3,6 +3,8 @@ candidate whose estimate fits; ``lightscale plan`` prints the same table."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import TINY
 
@@ -34,3 +36,16 @@ def test_plan_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "bucketed_ddp" in out and "fsdp2_offload" in out
     assert "chose fsdp2: the least communication that fits" in out
+
+
+def test_plan_proposes_context_parallelism_when_activations_do_not_fit() -> None:
+    # 4096 tokens: activations dominate. Offloading model states does not make them fit; cp2 halves them (each rank
+    # holds half of every sequence), so the estimate of its activations is half of fsdp2's with the same recompute.
+    long = dataclasses.replace(TINY, block_size=4096)
+    rows = plan(GPTModule(long), plan_candidates(), world_size=2, budget=5 * 2**20, micro_batch=1)
+    by_name = {(row.strategy, row.activation_checkpointing): row for row in rows}
+    chosen = choose(rows)
+    assert chosen is not None and chosen.strategy == "cp2" and not by_name["fsdp2_offload", "full"].fits
+    cp2, fsdp2 = by_name["cp2", "full"].estimate, by_name["fsdp2", "full"].estimate
+    assert cp2.activations.device == pytest.approx(fsdp2.activations.device / 2, rel=1e-6)
+    assert cp2.model_states == pytest.approx(fsdp2.model_states, rel=1e-6)  # FSDP2 over dp x cp: the same shards

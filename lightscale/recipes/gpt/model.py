@@ -2,7 +2,9 @@
 
 Parallelism is applied from outside, so module names follow torchtitan's llama (``layers.<i>.attention.wq``,
 ``feed_forward.w1``, ...) and the attention derives its head count from the *local* projection width: a
-tensor-parallel plan can shard ``wq``/``wk``/``wv`` column-wise without changing this file.
+tensor-parallel plan can shard ``wq``/``wk``/``wv`` column-wise without changing this file. Attention is
+``F.scaled_dot_product_attention`` and positions come from ``context_parallel.positions``, so context parallelism
+(sequences sharded over ranks) needs no change either.
 
 Example:
     >>> model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64))
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightscale.parallel.context_parallel import positions
 from lightscale.parallel.moe import MoE, MoEConfig
 
 
@@ -184,8 +187,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
         # Pipeline stages may set embeddings, norm or output to None; one forward then serves every stage.
         if self.tok_embeddings is not None:
-            positions = torch.arange(seq, device=tokens.device)
-            h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
+            # Global positions of these tokens: arange(seq) on one device, this rank's tokens under context parallelism.
+            h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions(seq, device=tokens.device)))
         else:
             h = tokens
         for layer in self.layers.values():

@@ -1,0 +1,254 @@
+"""Exact attention over a sequence sharded across the ranks of a context-parallel group: three modes.
+
+Each rank holds two chunks of the sequence (:mod:`.layout`) for q, k and v, shaped ``(batch, heads, seq, dim)``.
+
+- ``ring``: the K/V block travels around the ring, ``cp - 1`` point-to-point hops; the next hop is in flight while
+  the current block is computed. Backward sends the K/V blocks around again (``cp - 1`` hops) with the dK/dV
+  accumulated for each block travelling one hop behind it (``cp`` hops: the last one brings each rank its own).
+  Saved for backward: this rank's q, k, v, output and log-sum-exp only (ring-flash-attention's design).
+- ``allgather``: K/V gathered once per layer (one all-gather), attended in one pass; backward reduce-scatters
+  dK/dV. Saved for backward: the whole sequence's K/V (no second gather), q, the output and log-sum-exp.
+- ``ulysses``: all-to-all from sequence shards to head shards for q, k and v, torch's own (fused)
+  ``scaled_dot_product_attention`` over the whole sequence on ``H / cp`` heads, all-to-all of the output back;
+  backward the four reverse all-to-alls. Heads must divide by cp.
+
+Ring and allgather compute blocks without autograd and merge them by log-sum-exp in fp32 (:mod:`.blocks`); their
+backward is written out (an autograd function each): every block's probabilities are recomputed from the merged
+log-sum-exp, so no block's score matrix is kept (memory O(local tokens), not O(block²)).
+
+Example:
+    >>> out = context_parallel_attention(q, k, v, group, mode="ring", is_causal=True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.context_parallel.blocks import (
+    OutputGrad,
+    Partial,
+    Range,
+    attend,
+    attend_backward,
+    attends,
+    finish,
+)
+from lightscale.parallel.context_parallel.comm import (
+    Pending,
+    all_gather_along,
+    all_to_all_heads,
+    all_to_all_sequence,
+    reduce_scatter_along,
+    send_to_next,
+)
+from lightscale.parallel.context_parallel.layout import Layout, check_sequence_length, chunk_ranges, local_positions
+
+Mode = Literal["ring", "allgather", "ulysses"]
+MODES: tuple[str, ...] = ("ring", "allgather", "ulysses")
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: ProcessGroup,
+    *,
+    mode: Mode = "ring",
+    layout: Layout = "zigzag",
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`` of the full sequence,
+    restricted to this rank's tokens; q, k and v are this rank's shards in ``layout``."""
+    cp = dist.get_world_size(group)
+    _check(q, k, v, cp=cp, mode=mode, enable_gqa=enable_gqa)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    seq_len = q.shape[-2] * cp
+    if mode == "ulysses":
+        return _ulysses(q, k, v, group, seq_len, layout=layout, causal=is_causal, scale=scale, gqa=enable_gqa)
+    shape = _Shape(group, seq_len, layout, is_causal, scale)
+    function = _RingAttention if mode == "ring" else _AllGatherAttention
+    return function.apply(q, k, v, shape)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, *, cp: int, mode: str, enable_gqa: bool) -> None:
+    if mode not in MODES:
+        raise ConfigurationError(f"Unknown context-parallel attention mode {mode!r}; valid: {list(MODES)}.")
+    if not q.dim() == k.dim() == v.dim() == 4:
+        shapes = [tuple(t.shape) for t in (q, k, v)]
+        raise ConfigurationError(f"Context-parallel attention needs (batch, heads, seq, dim) tensors; got {shapes}.")
+    if k.shape[-2] != q.shape[-2]:
+        raise ConfigurationError(
+            f"Context-parallel attention is self-attention over one sharded sequence: query has {q.shape[-2]} "
+            f"local tokens, key {k.shape[-2]} (cross-attention and KV caches are not supported)."
+        )
+    check_sequence_length(q.shape[-2] * cp, cp)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
+        raise ConfigurationError(
+            f"Query has {heads} heads and key/value {kv_heads}: pass enable_gqa=True with query heads a multiple "
+            f"of key/value heads."
+        )
+    if mode == "ulysses" and (heads % cp or kv_heads % cp):
+        raise ConfigurationError(
+            f"Ulysses context parallelism splits heads over cp={cp} ranks: query heads ({heads}) and key/value "
+            f"heads ({kv_heads}) must divide by {cp}; use mode='ring' or 'allgather'."
+        )
+
+
+class _Shape:
+    """What both autograd functions need besides q, k, v (one argument: autograd passes it through)."""
+
+    def __init__(self, group: ProcessGroup, seq_len: int, layout: Layout, causal: bool, scale: float) -> None:
+        self.group, self.seq_len, self.layout, self.causal, self.scale = group, seq_len, layout, causal, scale
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def ranges(self, rank: int) -> list[Range]:
+        return chunk_ranges(self.seq_len, self.cp, rank, self.layout)
+
+    def all_ranges(self) -> list[Range]:
+        """Chunk ranges of the whole sequence as gathered in rank order."""
+        return [chunk for rank in range(self.cp) for chunk in self.ranges(rank)]
+
+
+def _expand(kv: Tensor, heads: int) -> Tensor:
+    """Repeat grouped key/value heads to the query's heads (enable_gqa), after communication."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _fold(grad: Tensor, kv_heads: int) -> Tensor:
+    """The transpose of :func:`_expand`: a gradient over the query's heads summed back onto the grouped heads."""
+    heads = grad.shape[1]
+    return grad if heads == kv_heads else grad.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
+
+
+def _kv_blocks(kv: Tensor, k_dim: int, heads: int) -> tuple[Tensor, Tensor]:
+    k, v = kv.split([k_dim, kv.shape[-1] - k_dim], dim=-1)
+    return _expand(k, heads), _expand(v, heads)
+
+
+def _output_grad(grad: Tensor, out: Tensor, lse: Tensor) -> OutputGrad:
+    grad = grad.float()
+    return OutputGrad(grad, (grad * out.float()).sum(-1), lse)
+
+
+def sdpa_layout(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """``out (B, H, L, D)`` in ``dtype``, laid out in memory as ``(B, L, H, D)`` like torch's own attention output:
+    the usual ``out.transpose(1, 2).reshape(B, L, H * D)`` is then a view, and the tensor saved here for backward is
+    the one the next layer saves (no second copy of the output)."""
+    return out.transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shape: _Shape) -> Tensor:
+        q_ranges, heads = shape.ranges(shape.rank), q.shape[1]
+        kv = torch.cat([k, v], dim=-1)  # one message per hop
+        acc: list[Partial | None] = [None] * len(q_ranges)
+        pending = Pending()
+        for step in range(shape.cp):
+            incoming = send_to_next(kv, shape.group, pending) if step < shape.cp - 1 else None
+            k_ranges = shape.ranges((shape.rank - step) % shape.cp)
+            if attends(q_ranges, k_ranges, causal=shape.causal):
+                block_k, block_v = _kv_blocks(kv, k.shape[-1], heads)
+                acc = attend(q, q_ranges, block_k, block_v, k_ranges, acc, causal=shape.causal, scale=shape.scale)
+            pending.wait()
+            kv = incoming
+        merged = finish(acc)
+        out = sdpa_layout(merged.out, q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged.lse)
+        ctx.shape = shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        shape: _Shape = ctx.shape
+        q_ranges, output = shape.ranges(shape.rank), _output_grad(grad, out, lse)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.cat([k, v], dim=-1)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)  # the gradient of the block held, travelling with it
+        pending = Pending()
+        for step in range(shape.cp):
+            incoming = send_to_next(kv, shape.group, pending) if step < shape.cp - 1 else None
+            k_ranges = shape.ranges((shape.rank - step) % shape.cp)
+            if attends(q_ranges, k_ranges, causal=shape.causal):
+                block_k, block_v = _kv_blocks(kv, k.shape[-1], q.shape[1])
+                grads = attend_backward(
+                    q, q_ranges, block_k, block_v, k_ranges, output, causal=shape.causal, scale=shape.scale
+                )
+                dq += grads[0]
+                dkv += torch.cat([_fold(grads[1], k.shape[1]), _fold(grads[2], v.shape[1])], dim=-1)
+            pending.wait()
+            kv = incoming
+            # The block moves on to the next rank with its gradient so far; after cp moves each is home.
+            dkv = send_to_next(dkv, shape.group, pending)
+            pending.wait()
+        dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shape: _Shape) -> Tensor:
+        kv = all_gather_along(torch.cat([k, v], dim=-1), shape.group, dim=-2)
+        full_k, full_v = _kv_blocks(kv, k.shape[-1], q.shape[1])
+        acc: list[Partial | None] = [None, None]
+        q_ranges = shape.ranges(shape.rank)
+        acc = attend(q, q_ranges, full_k, full_v, shape.all_ranges(), acc, causal=shape.causal, scale=shape.scale)
+        merged = finish(acc)
+        out = sdpa_layout(merged.out, q.dtype)
+        ctx.save_for_backward(q, kv, out, merged.lse)  # the whole sequence's K/V: no second gather
+        ctx.shape, ctx.dims = shape, (k.shape[1], k.shape[-1], v.shape[1])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, kv, out, lse = ctx.saved_tensors
+        shape: _Shape = ctx.shape
+        k_heads, k_dim, v_heads = ctx.dims
+        full_k, full_v = _kv_blocks(kv, k_dim, q.shape[1])
+        dq, dk, dv = attend_backward(
+            q,
+            shape.ranges(shape.rank),
+            full_k,
+            full_v,
+            shape.all_ranges(),
+            _output_grad(grad, out, lse),
+            causal=shape.causal,
+            scale=shape.scale,
+        )
+        dkv = reduce_scatter_along(torch.cat([_fold(dk, k_heads), _fold(dv, v_heads)], dim=-1), shape.group, dim=-2)
+        dk, dv = dkv.split([k_dim, dkv.shape[-1] - k_dim], dim=-1)
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None
+
+
+def _ulysses(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: ProcessGroup,
+    seq_len: int,
+    *,
+    layout: Layout,
+    causal: bool,
+    scale: float,
+    gqa: bool,
+) -> Tensor:
+    cp = dist.get_world_size(group)
+    head_q, head_k, head_v = (all_to_all_heads(t, group) for t in (q, k, v))
+    # The gathered sequence is in rank order (each rank's chunks): put it in order for torch's attention and back.
+    gathered = torch.cat([local_positions(seq_len, cp, rank, layout) for rank in range(cp)]).to(q.device)
+    in_order = torch.argsort(gathered)
+    head_q, head_k, head_v = (t.index_select(2, in_order) for t in (head_q, head_k, head_v))
+    out = F.scaled_dot_product_attention(head_q, head_k, head_v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return all_to_all_sequence(out.index_select(2, gathered), group)
