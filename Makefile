@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench soak lint format clean
+.PHONY: venv demo test bench soak lint format clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet ninja py-cpuinfo psutil pydantic hjson msgpack packaging numpy
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation deepspeed
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft]"
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a
 	@# first ZeRO-offload run would otherwise compile them inside its ranks, for minutes, under its timeouts.
 	$(BIN)/python -m lightscale.strategies.deepspeed_ops
@@ -40,6 +40,26 @@ bench: $(STAMP)
 # Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
 soak: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/soak.py
+
+# Everything a project GPU machine (Python 3.12, CUDA torch, Lightning; no network) lacks, as wheels in one folder
+# that travels with the working tree as a `carry` path (git-ignored). docs/gpu.md says how to run the check.
+GPU_WHEELS ?= gpu_wheels
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w $(GPU_WHEELS) .
+	DS_BUILD_OPS=0 $(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w $(GPU_WHEELS) \
+		deepspeed==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('deepspeed'))")
+	$(BIN)/python benchmarks/gpu_wheels.py download $(GPU_WHEELS)
+	@ls $(GPU_WHEELS) && du -sh $(GPU_WHEELS)
+
+# On the GPU machine (its own python3, not .venv): install the missing wheels beside the machine's packages, then
+# every check within 9 minutes; the report goes to $$OUT/gpu_report.md (or ./gpu_report.md). Exits 0 on failures.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/lightscale_gpu_site
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_wheels.py install $(GPU_WHEELS) $(GPU_SITE)
+	PYTHONPATH=$(CURDIR):$(GPU_SITE) TORCH_EXTENSIONS_DIR=$(GPU_SITE)/torch_extensions \
+		$(GPU_PYTHON) benchmarks/gpu_check.py --site $(GPU_SITE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

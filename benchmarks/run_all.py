@@ -8,6 +8,7 @@ from pathlib import Path
 
 BENCHMARKS = [
     "bench_ddp.py",
+    "bench_powersgd.py",
     "bench_zero.py",
     "bench_cpu_adam.py",
     "bench_fsdp2.py",
@@ -17,6 +18,8 @@ BENCHMARKS = [
     "bench_clip.py",
     "bench_memory.py",
     "bench_async_save.py",
+    "bench_diloco.py",
+    "bench_slow_link.py",
 ]
 
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,3 +113,45 @@ def _size(value: Any) -> tuple[int, int]:
         sizes = [_size(item) for item in value if isinstance(item, (Tensor, list, tuple))]
         return sum(e for e, _ in sizes), sum(b for _, b in sizes)
     return 0, 0
+
+
+# Bytes each rank puts on the link per byte of the collective's buffer, for ring algorithms over n ranks.
+_WIRE_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+}
+
+
+class SlowLink(CollectiveCounter):
+    """A simulated slow link between ``ranks`` sites (two "datacenters" on one machine): after each collective the
+    issuing rank waits for the time its ring traffic would take at ``bytes_per_second``.
+
+    Time is added where the collective is issued, so communication never overlaps compute here: the pessimistic
+    case for synchronous data parallelism, which would hide part of it behind backward on a real link.
+
+    Example:
+        >>> with SlowLink(bytes_per_second=10e6, ranks=2):
+        ...     trainer.fit(model, data)  # each all-reduce of B bytes costs B / 10 MB/s more
+    """
+
+    def __init__(self, *, bytes_per_second: float, ranks: int) -> None:
+        super().__init__()
+        if not bytes_per_second > 0 or ranks < 2:
+            raise ValueError(f"SlowLink needs bytes_per_second > 0 and ranks >= 2, got {bytes_per_second}, {ranks}.")
+        self.bytes_per_second = bytes_per_second
+        self.ranks = ranks
+        self.seconds_waited = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        before = len(self.calls)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for call in self.calls[before:]:
+            seconds = call.bytes * _WIRE_FACTOR[call.kind](self.ranks) / self.bytes_per_second
+            self.seconds_waited += seconds
+            time.sleep(seconds)
+        return out

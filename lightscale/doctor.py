@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
 from lightscale.testing import free_port
 
 ENV_THAT_MATTERS = (
@@ -38,9 +39,6 @@ ENV_THAT_MATTERS = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 )
-# torch 2.13 renamed these (the old names warn); the old names are all torch < 2.13 has.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -114,8 +112,8 @@ def _collectives(numel: int, world: int, device: torch.device) -> dict[str, Call
 
     return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: _ALL_GATHER(received, piece),
-        "reduce_scatter": lambda: _REDUCE_SCATTER(piece, full),
+        "all_gather": lambda: all_gather_single(received, piece),
+        "reduce_scatter": lambda: reduce_scatter_single(piece, full),
         "all_to_all": lambda: dist.all_to_all_single(received, full),
         "send_recv": send_recv,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
 from typing_extensions import override
 
+from lightscale.callbacks.model_summary import with_global_summary
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
@@ -34,6 +36,7 @@ class Trainer(LightningTrainer):
 
     def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
         check_resume(resume)
+        ignore_lightning_pytree_deprecation()
         register_strategies()
         check_strategy(kwargs.get("strategy", "auto"))
         check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
@@ -44,6 +47,9 @@ class Trainer(LightningTrainer):
         if fp16_on_cpu is not None:
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
+        summary = kwargs.get("enable_model_summary") is not False and not kwargs.get("barebones")
+        kwargs["callbacks"] = with_global_summary(_as_list(kwargs.get("callbacks")), enabled=summary)
+        kwargs["enable_model_summary"] = False  # decided above; Lightning would only say it skips its own
         super().__init__(*args, **kwargs)
         self.resume = resume
         self._resume_dir: Path | None = None
@@ -65,6 +71,17 @@ class Trainer(LightningTrainer):
     ) -> None:
         ckpt_path = resolve_resume(self.resume, ckpt_path, self._resume_dir)
         super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+
+# torch >= 2.10 deprecates constructing ``LeafSpec``; Lightning's utilities/_pytree.py still does for each dataloader
+# it combines, so every run printed it once per rank with nothing the user could change. Matched by message and by
+# Lightning's module: the same deprecation raised by anyone else's code still shows.
+_LIGHTNING_PYTREE = (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree")
+
+
+def ignore_lightning_pytree_deprecation() -> None:
+    message, module = _LIGHTNING_PYTREE
+    warnings.filterwarnings("ignore", message, FutureWarning, module)
 
 
 def check_devices(accelerator: Any, devices: Any) -> None:

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.throughput import Throughput
+from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
 
 
 class RunSummary(Callback):
@@ -100,9 +101,20 @@ def _format(
             lines.append(
                 f"    rank {rank}: {sizes.parameters:,} + {sizes.gradients:,} + {sizes.optimizer:,} = {sizes.total:,}"
             )
+    lines += _engine_note(trainer)
     for meter in (c for c in trainer.callbacks if isinstance(c, Throughput) and c.history):
         lines.append(
             f"  compute: {meter.mean('tflops_per_s'):.4g} TFLOP/s (all ranks), MFU {meter.mean('mfu'):.1%} "
             "(Throughput callback, first step excluded)"
         )
     return "\n".join(lines)
+
+
+def _engine_note(trainer: Trainer) -> list[str]:
+    """The precision contract's engine difference that changes no value (the ones that do are warned at start-up)."""
+    family = getattr(trainer.strategy, "precision_family", None)  # None for a strategy not from lightscale
+    precision = normalize_precision(trainer.precision)
+    if family is None or precision not in PRECISIONS:
+        return []
+    row = meaning(family, precision)
+    return [f"  engine: {row.difference} ({precision} under {family})"] if row.same_values else []

@@ -34,7 +34,10 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
@@ -107,8 +110,6 @@ def _non_empty(state: dict[str, Tensor], path: Path, prefix: str) -> dict[str, T
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
         return load_file(path)
@@ -162,7 +163,6 @@ def save_safetensors(state: dict[str, Tensor], output: Path) -> None:
     safetensors refuses tensors that share memory; tied weights (the GPT's embedding and head) are therefore
     stored once per name (a copy each), which is what a strict ``load_state_dict`` of the tied model expects.
     """
-    from safetensors.torch import save_file
 
     not_tensors = sorted(key for key, value in state.items() if not isinstance(value, Tensor))
     if not_tensors:
@@ -200,7 +200,6 @@ def _fsync(path: Path) -> None:
 def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "model.") -> None:
     """The portable layout's ``model`` part (LightningModule keys: ``prefix`` added) and a trainer state that
     records where it came from; written by the one writer of the layout, in one process."""
-    import lightning
 
     model = {prefix + name: tensor.detach().contiguous() for name, tensor in state.items()}
     trainer_state: dict[str, Any] = {

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.data import AttributeDict
 from typing_extensions import override
 
 _ALLOWED: list[Any] = []
@@ -29,8 +30,6 @@ def allow_in_checkpoints(*classes: type) -> None:
 
 def checkpoint_safe_globals() -> list[Any]:
     """Classes a lightscale checkpoint may hold besides tensors and containers (all plain data)."""
-    from lightning.fabric.utilities.data import AttributeDict
-
     return [AttributeDict, *_ALLOWED]
 
 

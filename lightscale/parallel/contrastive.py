@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-# torch 2.13 renamed the single-tensor collectives (the old names warn); torch >= 2.8 is supported.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
+
 _GROUPS: weakref.WeakKeyDictionary[Any, ProcessGroup | None] = weakref.WeakKeyDictionary()
 
 
@@ -69,7 +68,7 @@ class _GatherWithGrad(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        _ALL_GATHER(out, local.contiguous(), group=group)
+        all_gather_single(out, local.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -79,7 +78,7 @@ class _GatherWithGrad(torch.autograd.Function):
         grad = grad.contiguous()
         if dist.get_backend(group) == "nccl":
             out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-            _REDUCE_SCATTER(out, grad, group=group)
+            reduce_scatter_single(out, grad, group=group)
             return out, None
         dist.all_reduce(grad, group=group)  # gloo has no reduce-scatter: all-reduce and keep this rank's rows
         return grad.chunk(world)[rank], None

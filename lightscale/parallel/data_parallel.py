@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.powersgd import PowerSGD, validate_powersgd
 
-Compression = Literal["none", "bf16", "fp16"]
+Compression = Literal["none", "bf16", "fp16", "powersgd"]
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MB = 1024 * 1024
 
@@ -57,11 +58,14 @@ class BucketedGradReducer:
         module: the (single-device) model; parameters are hooked, the module is not wrapped.
         bucket_cap_mb: bucket size in MiB; larger buckets mean fewer, bigger messages.
         first_bucket_cap_mb: size of the first bucket (the last layers), kept small so communication starts early.
-        compression: ``"bf16"``/``"fp16"`` halve the bytes on the wire (the sum is taken in that dtype).
+        compression: ``"bf16"``/``"fp16"`` halve the bytes on the wire (the sum is taken in that dtype);
+            ``"powersgd"`` sends low-rank factors of each gradient matrix (lightscale/parallel/powersgd.py).
         find_unused_parameters: reduce zeros for parameters that got no gradient instead of raising.
         process_group: the data-parallel group (default: the world).
         broadcast_from_rank0: copy rank 0's parameters and buffers to every rank first.
         broadcast_buffers: let :meth:`sync_buffers` copy rank 0's buffers (call it before each forward).
+        powersgd_rank: rank of PowerSGD's factors (``compression="powersgd"``).
+        powersgd_warmup_steps: reductions done uncompressed before PowerSGD starts.
     """
 
     def __init__(
@@ -75,8 +79,11 @@ class BucketedGradReducer:
         process_group: dist.ProcessGroup | None = None,
         broadcast_from_rank0: bool = True,
         broadcast_buffers: bool = True,
+        powersgd_rank: int = 4,
+        powersgd_warmup_steps: int = 0,
     ) -> None:
         validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
+        validate_powersgd(powersgd_rank, powersgd_warmup_steps)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.find_unused_parameters = find_unused_parameters
@@ -95,6 +102,12 @@ class BucketedGradReducer:
         self._scale = 1.0 / self.world_size
         self._next_launch = 0
         self._graph_task: int | None = None
+        self.powersgd: PowerSGD | None = None
+        if compression == "powersgd":
+            self.powersgd = PowerSGD(
+                self.buckets, rank=powersgd_rank, warmup_steps=powersgd_warmup_steps, process_group=process_group
+            )
+        self._compressing = False  # PowerSGD on in this backward (decided at its first gradient)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -124,6 +137,7 @@ class BucketedGradReducer:
             # First gradient of this backward. Resetting here also drops state a failed backward left behind.
             self._reset()
             self._graph_task = graph_task
+            self._compressing = self.powersgd is not None and self.powersgd.compressing
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
         bucket = self.buckets[b]
@@ -137,8 +151,11 @@ class BucketedGradReducer:
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
                 return
-            payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
-            bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
+            if self._compressing:
+                self.powersgd.launch(self._next_launch)
+            else:
+                payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
+                bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -159,6 +176,8 @@ class BucketedGradReducer:
             if self.find_unused_parameters:
                 self._drop_grads_unused_everywhere(unused)
             self._wait_launched()
+            if self.powersgd is not None:
+                self.powersgd.step += 1  # one synchronized backward per optimizer step
         finally:
             self._reset()
 
@@ -174,6 +193,9 @@ class BucketedGradReducer:
                 bucket.params[i].grad = None
 
     def _wait_launched(self) -> None:
+        if self._compressing:
+            self.powersgd.finish(self._next_launch)
+            return
         for bucket in self.buckets[: self._next_launch]:
             bucket.handle.wait()
             if bucket.wire is not None:
@@ -191,8 +213,10 @@ def validate_reducer_settings(bucket_cap_mb: float, first_bucket_cap_mb: float, 
     """Checked at strategy construction too, so bad values fail before any process starts."""
     validate_bucket_cap("bucket_cap_mb", bucket_cap_mb)
     validate_bucket_cap("first_bucket_cap_mb", first_bucket_cap_mb)
-    if compression not in ("none", *_WIRE_DTYPES):
-        raise ConfigurationError(f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16'.")
+    if compression not in ("none", *_WIRE_DTYPES, "powersgd"):
+        raise ConfigurationError(
+            f"compression={compression!r} is not valid; choose one of 'none', 'bf16', 'fp16', 'powersgd'."
+        )
 
 
 def validate_bucket_cap(name: str, value: float) -> None:

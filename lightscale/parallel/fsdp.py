@@ -18,7 +18,8 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -132,6 +133,18 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Turn FSDP's gradient reduce-scatter (and HSDP all-reduce) on or off for every unit of ``model``."""
     for module in fsdp_modules(model):
         module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module | None) -> Iterator[None]:
+    """FSDP's reduce-scatter off for the backward passes inside (a gradient-accumulation micro-step)."""
+    if model is not None:
+        set_gradient_sync(model, False)
+    try:
+        yield
+    finally:
+        if model is not None:
+            set_gradient_sync(model, True)
 
 
 # ---- materialization from the meta device ----------------------------------------------------------------

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -26,12 +27,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightscale.errors import ConfigurationError
 
+log = logging.getLogger(__name__)
+
 Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
-Compression = Literal["none", "bf16", "fp16"]
+Compression = Literal["none", "bf16", "fp16", "powersgd"]
 FAMILIES: tuple[Family, ...] = ("bucketed_ddp", "zero", "fsdp2", "parallel_3d")
 # The one list of precision names lightscale gives a meaning to (Lightning's "32" is normalised to "32-true").
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 COMPRESSIONS = ("none", "bf16", "fp16")
+# Compressions only some families implement: low-rank PowerSGD needs a reducer that sees whole gradient matrices.
+_ONLY_UNDER: dict[str, tuple[Family, ...]] = {"powersgd": ("bucketed_ddp",)}
+# PowerSGD's error feedback would keep a skipped step's inf (loss scaling), and QR needs fp32 gradients.
+_POWERSGD_PRECISIONS = ("32-true", "bf16-mixed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -48,6 +55,7 @@ class Meaning:
     loss_scaling: bool  # a dynamic loss scaler runs, with one skip-or-step decision on all ranks
     how: str  # the mechanism, for the reader
     difference: str = ""  # where the engine forces another meaning than the standard one: warned at start-up
+    same_values: bool = False  # the difference costs memory only: logged at debug level and in the run summary
 
 
 STANDARD = {
@@ -82,6 +90,7 @@ _DIFFERENT = {
         "plain fp32",
         "DeepSpeed's optimizer steps its own fp32 copy of each rank's partition (4 more bytes per parameter / N); "
         "the values are the same",
+        same_values=True,
     ),
     ("zero", "bf16-mixed"): Meaning(
         "bf16", "bf16", "fp32", "fp32", "fp32", False, "DeepSpeed bf16 + communication_data_type=fp32", _DS_BF16
@@ -116,9 +125,9 @@ def meaning(family: Family, precision: str, *, compression: str = "none") -> Mea
     """The contract row for ``precision`` under ``family``; ``compression`` lowers the reduction dtype."""
     check_family(family)
     check_contract_precision(precision)
-    check_compression(compression)
+    check_compression(compression, family)
     row = _DIFFERENT.get((family, precision)) or _standard(family, precision)
-    if compression == "none" or row.reduce == compression:
+    if compression in ("none", "powersgd") or row.reduce == compression:  # PowerSGD reduces its factors in fp32
         return row
     return replace(row, reduce=compression)
 
@@ -143,15 +152,17 @@ def enforce_contract(family: Family, precision: str, *, device_type: str, compre
     row = meaning(family, precision, compression=compression)
     refuse_impossible(family, precision, device_type=device_type, compression=compression)
     if row.difference:
-        rank_zero_warn(
-            f"lightscale: precision={precision!r} under {family}: {row.difference} (see docs/plugins/precision.md).",
-            category=UserWarning,
-        )
+        message = f"lightscale: precision={precision!r} under {family}: {row.difference} (docs/plugins/precision.md)."
+        if row.same_values:  # nothing for the user to act on: kept for the curious and in RunSummary's table
+            log.debug(message)
+        else:
+            rank_zero_warn(message, category=UserWarning)
     return row
 
 
 def refuse_impossible(family: Family, precision: str, *, device_type: str, compression: str = "none") -> None:
     """Raise a ConfigurationError naming strategy, precision and the valid precisions if the engine cannot run it."""
+    check_compression(compression, family)
     reason = refusal(family, precision, device_type)
     if reason is not None:
         raise ConfigurationError(
@@ -162,6 +173,12 @@ def refuse_impossible(family: Family, precision: str, *, device_type: str, compr
         raise ConfigurationError(
             "compression='fp16' with precision='bf16-true' would send bf16 gradients as fp16 (same size, smaller "
             "range); use compression='none' or 'bf16'."
+        )
+    if compression == "powersgd" and precision not in _POWERSGD_PRECISIONS:
+        raise ConfigurationError(
+            f"compression='powersgd' with precision={precision!r} is not supported: PowerSGD needs fp32 gradients "
+            "(QR in fp32) and no loss scaler (a skipped step's inf would stay in its error feedback). Use precision "
+            f"{' or '.join(map(repr, _POWERSGD_PRECISIONS))}, or compression='bf16'."
         )
 
 
@@ -175,12 +192,21 @@ def check_contract_precision(precision: str) -> None:
         raise ConfigurationError(f"precision={precision!r} has no contract row; choose one of {', '.join(PRECISIONS)}.")
 
 
-def check_compression(compression: str) -> None:
-    """The one low-precision-reduction option every data-parallel strategy takes."""
-    if compression not in COMPRESSIONS:
+def valid_compressions(family: Family) -> tuple[str, ...]:
+    return COMPRESSIONS + tuple(name for name, families in _ONLY_UNDER.items() if family in families)
+
+
+def check_compression(compression: str, family: Family) -> None:
+    """The one gradient-compression option every data-parallel strategy takes; some values only under ``family``."""
+    valid = valid_compressions(family)
+    if compression in valid:
+        return
+    if compression in _ONLY_UNDER:
         raise ConfigurationError(
-            f"compression={compression!r} is not valid; choose one of {', '.join(map(repr, COMPRESSIONS))}."
+            f"compression={compression!r} is valid only under the {', '.join(_ONLY_UNDER[compression])} strategies "
+            f"(e.g. strategy='bucketed_ddp_powersgd'), not under {family}; valid here: {', '.join(map(repr, valid))}."
         )
+    raise ConfigurationError(f"compression={compression!r} is not valid; choose one of {', '.join(map(repr, valid))}.")
 
 
 def render_table(members: Mapping[str, Sequence[str]]) -> str:
@@ -191,7 +217,7 @@ def render_table(members: Mapping[str, Sequence[str]]) -> str:
     lines += [
         "",
         "| family | precision | parameters | compute | gradient reduce | fp32 master | optimizer state | "
-        "loss scaling | how | engine difference (warned at start-up) |",
+        "loss scaling | how | engine difference (warned at start-up where values change) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in FAMILIES:

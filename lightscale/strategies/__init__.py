@@ -10,6 +10,7 @@ from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.zero import ZeroStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.parallel_3d import Parallel3DStrategy
+from lightscale.strategies.diloco import DiLoCoStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
 
 # isort: on
@@ -17,6 +18,7 @@ from lightscale.strategies.registry import check_strategy, register_strategies, 
 
 __all__ = [
     "BucketedDDPStrategy",
+    "DiLoCoStrategy",
     "FSDP2Strategy",
     "FitMemoryStrategy",
     "LightscaleStrategy",

@@ -1,9 +1,10 @@
-"""The base every lightscale strategy shares, on Lightning's ``ParallelStrategy``.
+"""The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
+process group, collective timeout, failure watcher, collectives).
 
-What it owns: the process group (gloo on CPU, nccl on CUDA, a collective timeout so hangs fail fast), the
-parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and checkpoint
-plugins, applying parallelism to the model from outside it, checkpoints in the one portable layout
-(lightscale/checkpoint/layout.py: any strategy's, at any world size), and teardown.
+What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and
+checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
+checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
+teardown.
 
 What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -21,33 +22,22 @@ See docs/architecture.md ("Adding a strategy") and the call path of one training
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
@@ -62,28 +52,15 @@ from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
-from lightscale.strategies.failure import announce_failure, watch_for_failures
-from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
-from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
+from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
 log = logging.getLogger(__name__)
 # Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
 REGISTERED: list[type[LightscaleStrategy]] = []
 
-# A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
-# and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten
-# minutes is torch's NCCL default and covers a first-step compile or a large checkpoint write; raise it with
-# ``timeout_s`` for slower ones.
-DEFAULT_TIMEOUT_S = 600.0
 
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class LightscaleStrategy(ParallelStrategy):
+class LightscaleStrategy(ProcessStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
@@ -136,20 +113,14 @@ class LightscaleStrategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io or SafeCheckpointIO(),
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
         )
-        if not timeout_s > 0:
-            raise ConfigurationError(
-                f"timeout_s={timeout_s!r} is not valid: the collective timeout must be positive seconds."
-            )
-        self._num_nodes = 1
-        self._backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout_s)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._root: nn.Module | None = None  # where FSDP roots: the LightningModule itself makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
-        self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
         self.checkpoint_writer = self._async_writer(async_save)
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
@@ -182,34 +153,6 @@ class LightscaleStrategy(ParallelStrategy):
             self._mesh = self.dims.build_mesh(self.root_device.type)
         return self._mesh
 
-    # ---- devices and processes ---------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning asks custom strategies this to decide metric syncing and distributed samplers.
-        return True
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str:
-        return self._backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -237,40 +180,13 @@ class LightscaleStrategy(ParallelStrategy):
         """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
-        if not dist.is_initialized():
-            self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
-            store = restart_safe_store(self._timeout)
-            kwargs = {"store": store} if store is not None else {}
-            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
-            # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
-            atexit.register(_destroy_process_group)
-        watch_for_failures(self.global_rank)
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
                 self.check_checkpoint_dir(callback.dirpath)
-
-    def _run_dir(self) -> Path:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return Path(trainer.default_root_dir if trainer is not None else os.getcwd())
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ---- the model ---------------------------------------------------------------------------------------
     @override
@@ -360,42 +276,6 @@ class LightscaleStrategy(ParallelStrategy):
         ranks = {"node_rank": self.node_rank, "local_rank": self.local_rank, "num_nodes": self.num_nodes}
         check_shared_dir(Path(directory), **ranks)
         self._shared_dirs.add(str(directory))
-
-    # ---- collectives ---------------------------------------------------------------------------------------
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
-
-    def _failure_context(self, exception: BaseException) -> str:
-        # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
-        where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
-        if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
-            where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
-            where += " prints where it was"
-            if self._trace_prefix is not None:
-                where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
-        return where
 
     # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) --------------------------------
     # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own

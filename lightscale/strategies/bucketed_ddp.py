@@ -8,16 +8,20 @@ The model is not wrapped: :class:`~lightscale.parallel.BucketedGradReducer` hook
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
+from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
@@ -29,8 +33,11 @@ class BucketedDDPStrategy(LightscaleStrategy):
     Args:
         bucket_cap_mb: bucket size in MiB (25 like torch DDP).
         first_bucket_cap_mb: the first bucket (last layers) is small so communication starts early.
-        compression: ``"none"``, ``"bf16"`` or ``"fp16"`` on the wire.
+        compression: ``"none"``, ``"bf16"`` or ``"fp16"`` on the wire, or ``"powersgd"``: low-rank factors of
+            each gradient matrix with error feedback (docs/strategies/bucketed_ddp.md, "PowerSGD").
         find_unused_parameters: reduce zeros for parameters that get no gradient instead of raising.
+        powersgd_rank: rank r of PowerSGD's factors: a matrix n x m sends (n + m) r numbers instead of n m.
+        powersgd_warmup_steps: optimizer steps reduced uncompressed before PowerSGD starts.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -41,6 +48,10 @@ class BucketedDDPStrategy(LightscaleStrategy):
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
+        "bucketed_ddp_powersgd": (
+            "bucketed_ddp with PowerSGD: rank-4 factors of each gradient matrix, error feedback",
+            {"compression": "powersgd"},
+        ),
     }
     plannable = (Plannable("bucketed_ddp", "2Ψ", "replicated states, one all-reduce of the gradients"),)
 
@@ -56,10 +67,15 @@ class BucketedDDPStrategy(LightscaleStrategy):
         first_bucket_cap_mb: float = 1.0,
         compression: Compression = "none",
         find_unused_parameters: bool = False,
+        powersgd_rank: int = 4,
+        powersgd_warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
+        validate_powersgd(powersgd_rank, powersgd_warmup_steps)
+        self.powersgd_rank = powersgd_rank
+        self.powersgd_warmup_steps = powersgd_warmup_steps
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.compression = compression
@@ -80,6 +96,8 @@ class BucketedDDPStrategy(LightscaleStrategy):
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             compression=self.compression,
             find_unused_parameters=self.find_unused_parameters,
+            powersgd_rank=self.powersgd_rank,
+            powersgd_warmup_steps=self.powersgd_warmup_steps,
         )
         return module
 
@@ -92,6 +110,32 @@ class BucketedDDPStrategy(LightscaleStrategy):
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
+
+    @override
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Adds every rank's PowerSGD state (step, Qs, its own residuals) next to the random states (collective)."""
+        state = super().trainer_state(checkpoint)
+        powersgd = self.reducer.powersgd if self.reducer is not None else None
+        if powersgd is not None:
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, powersgd.state_dict())
+            state["lightscale"]["powersgd"] = states
+        return state
+
+    @override
+    def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
+        meta = super().read_trainer_state(checkpoint_dir, fitting=fitting)
+        powersgd = self.reducer.powersgd if self.reducer is not None else None
+        states = meta.get("lightscale", {}).get("powersgd")
+        if fitting and powersgd is not None and states:
+            same_world = len(states) == self.world_size
+            if not same_world:
+                rank_zero_warn(
+                    f"The checkpoint holds PowerSGD residuals of {len(states)} ranks and this run has "
+                    f"{self.world_size}: step count and Qs are restored, the error-feedback residuals start at zero."
+                )
+            powersgd.load_state_dict(states[self.global_rank if same_world else 0], residuals=same_world)
+        return meta
 
     @override
     def teardown(self) -> None:

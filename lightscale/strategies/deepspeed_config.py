@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from lightning.pytorch import Trainer
 
 from lightscale.errors import ConfigurationError
 
@@ -219,3 +224,41 @@ def _zero_keys() -> set[str]:
 def _closest(key: str, valid: set[str]) -> str:
     match = difflib.get_close_matches(key, sorted(valid), n=1)
     return f" Did you mean {match[0]!r}?" if match else f" Valid keys: {sorted(valid)}."
+
+
+def read_user_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"ZeroStrategy(config={config!r}): no such file. Valid: a dict of DeepSpeed options or the path of an "
+            "existing JSON file."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigurationError(f"ZeroStrategy(config={config!r}) is not valid JSON: {error}.") from error
+
+
+def writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".lightscale_write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigurationError(f"Offload directory {path} is not writable ({error}); pass nvme_path=... .") from error
+    return path
+
+
+def micro_batch_size(trainer: Trainer) -> int:
+    source = trainer.fit_loop._data_source
+    if source.is_defined():
+        loader = source.dataloader()
+        batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if batch_size:
+            return batch_size
+    return 1

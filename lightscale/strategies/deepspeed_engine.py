@@ -5,7 +5,11 @@ NVMe check.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -13,9 +17,11 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.moe import moe_layers
 
 
 def require_deepspeed() -> None:
@@ -26,6 +32,10 @@ def require_deepspeed() -> None:
             "extra: pip install 'lightscale[deepspeed]' (DeepSpeed builds from source; docs/strategies/zero.md). "
             "Every other strategy works without it."
         )
+    # lightscale runs DeepSpeed on CUDA or the CPU: without CUDA, name the CPU before DeepSpeed's first import, which
+    # otherwise probes for other accelerators and warns "Setting accelerator to CPU" in every process.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 class EngineRoot(nn.Module):
@@ -86,6 +96,33 @@ def host_optimizer(optimizer: torch.optim.Optimizer, user_config: dict[str, Any]
     return optimizer
 
 
+def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
+    """Point a scheduler built on the user's optimizer at the one that really steps (the host optimizer under
+    offload), and track that optimizer's steps as torch's scheduler does at construction.
+
+    The user's ``configure_optimizers`` builds both before the strategy swaps the optimizer; without the tracking,
+    torch's first ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden after learning rate
+    scheduler initialization", although the order is right.
+
+    Example:
+        >>> rebind_scheduler(scheduler, cpu_adam_from(optimizer))
+    """
+    scheduler.optimizer = optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return  # the optimizer the scheduler was built on: tracked already
+    step = optimizer.step.__func__  # type: ignore[attr-defined]
+    owner = weakref.ref(optimizer)  # as torch does: no reference cycle through the instance attribute
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]
+
+
 def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam with ``optimizer``'s parameter groups and hyper-parameters (Adam or AdamW only)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -118,4 +155,25 @@ def check_async_io() -> None:
         raise ConfigurationError(
             "NVMe offload (zero_infinity) needs DeepSpeed's async_io op, which builds against libaio: install it "
             "(Debian/Ubuntu: apt-get install libaio-dev) or use zero3_offload (host memory) instead."
+        )
+
+
+_DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def silence_deepspeed_noise() -> None:
+    """Ignore the deprecation warnings torch raises for DeepSpeed's collectives (idempotent)."""
+    warnings.filterwarnings("ignore", _DEEPSPEED_NOISE, FutureWarning, r"torch\.distributed\.c10d_logger")
+
+
+def refuse_moe(module: LightningModule) -> None:
+    """MoE layers are refused: DeepSpeed would partition the stacked expert weights as dense parameters (ZeRO-3
+    gathers every expert of a layer on every rank), with no expert dimension to shard them over."""
+    if moe_layers(module):
+        raise ConfigurationError(
+            "The ZeRO strategies do not train mixture-of-experts models: DeepSpeed partitions the stacked expert "
+            "weights like dense ones (ZeRO-3 would gather every expert of a layer on every rank) and has no expert "
+            "parallelism here; DeepSpeed's own MoE refuses stage 3. Use 'ep2' or Parallel3DStrategy(ep=N) (experts "
+            "sharded over ranks, tokens sent by all-to-all, the rest FSDP2), or 'fsdp2' / 'parallel_3d' (experts "
+            "sharded by FSDP2 like any weight)."
         )

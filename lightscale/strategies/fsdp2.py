@@ -35,7 +35,7 @@ from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
-from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, set_gradient_sync, torch_generator_states
+from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
@@ -128,7 +128,7 @@ class FSDP2Strategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        check_compression(compression)
+        check_compression(compression, self.precision_family)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
         check_degrees({"dp_replicate": dp_replicate, "dp_shard": dp_shard})  # at construction, not at setup
@@ -200,7 +200,7 @@ class FSDP2Strategy(LightscaleStrategy):
 
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
-        return _no_gradient_sync(self.model)
+        return no_gradient_sync(self.model)
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     @override
@@ -215,17 +215,6 @@ class FSDP2Strategy(LightscaleStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
-
-
-@contextmanager
-def _no_gradient_sync(model: nn.Module | None) -> Iterator[None]:
-    if model is not None:
-        set_gradient_sync(model, False)
-    try:
-        yield
-    finally:
-        if model is not None:
-            set_gradient_sync(model, True)
 
 
 def _check_offload(offload: bool, pin_memory: bool | None) -> None:

@@ -188,7 +188,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     ) -> None:
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
-        check_compression(compression)
+        check_compression(compression, self.precision_family)
         self.compression = compression
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -18,7 +17,7 @@ from typing import Any, Literal, get_args
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
@@ -31,22 +30,33 @@ from lightscale.checkpoint.deepspeed_dir import (
     save_engine_directory,
 )
 from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
-from lightscale.checkpoint.zero_portable import group_parameter_names, load_zero_state_dict, zero_state_dict
+from lightscale.checkpoint.zero_load import load_zero_state_dict
+from lightscale.checkpoint.zero_portable import group_parameter_names, zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
-from lightscale.parallel.moe import moe_layers
+from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.deepspeed_config import ZeroOptions, build_config, validate_user_config
+from lightscale.strategies.deepspeed_config import (
+    ZeroOptions,
+    build_config,
+    micro_batch_size,
+    read_user_config,
+    validate_user_config,
+    writable_dir,
+)
 from lightscale.strategies.deepspeed_engine import (
     EngineRoot,
     check_async_io,
     check_zero_optimizer,
     host_optimizer,
     not_a_boundary,
+    rebind_scheduler,
+    refuse_moe,
     require_deepspeed,
+    silence_deepspeed_noise,
 )
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
@@ -129,7 +139,7 @@ class ZeroStrategy(LightscaleStrategy):
     ) -> None:
         require_deepspeed()
         super().__init__(**kwargs)
-        check_compression(compression)
+        check_compression(compression, self.precision_family)
         self.compression = compression
         if checkpoint_format not in get_args(CheckpointFormat):
             raise ConfigurationError(
@@ -141,8 +151,8 @@ class ZeroStrategy(LightscaleStrategy):
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
         if nvme_path is not None and not self._nvme_auto:
-            _writable_dir(Path(nvme_path))  # at construction, before any process starts
-        self.user_config = _read_config(config)
+            writable_dir(Path(nvme_path))  # at construction, before any process starts
+        self.user_config = read_user_config(config)
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
         self._engine: Any = None
@@ -177,7 +187,7 @@ class ZeroStrategy(LightscaleStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin = DeepSpeedPrecision(_precision_name(self.precision_plugin))
+        self.precision_plugin = DeepSpeedPrecision(precision_name(self.precision_plugin))
         self._check_trainer(trainer, self.precision_plugin.precision)
         enforce_contract(
             "zero", self.precision_plugin.precision, device_type=self.root_device.type, compression=self.compression
@@ -191,7 +201,7 @@ class ZeroStrategy(LightscaleStrategy):
         optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
         self.config = build_config(
             self._resolved_options(trainer),
-            micro_batch_size=_micro_batch_size(trainer),
+            micro_batch_size=micro_batch_size(trainer),
             accumulate=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=self.precision_plugin.precision,
@@ -207,7 +217,7 @@ class ZeroStrategy(LightscaleStrategy):
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
-            scheduler.scheduler.optimizer = optimizer
+            rebind_scheduler(scheduler.scheduler, optimizer)  # type: ignore[arg-type]
         self.barrier()
 
     def _engine_wraps(self, module: LightningModule) -> bool:
@@ -216,9 +226,9 @@ class ZeroStrategy(LightscaleStrategy):
 
     @override
     def check_before_launch(self, trainer: Trainer) -> None:
-        self._check_trainer(trainer, _precision_name(self.precision_plugin))
+        self._check_trainer(trainer, precision_name(self.precision_plugin))
         if self._nvme_auto:
-            _writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
+            writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
 
     def _check_trainer(self, trainer: Trainer, precision: str) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
@@ -231,7 +241,7 @@ class ZeroStrategy(LightscaleStrategy):
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
         options = self._nvme_options(trainer) if self._nvme_auto else self.options
         if options.nvme_path:
-            _writable_dir(Path(options.nvme_path))
+            writable_dir(Path(options.nvme_path))
             check_async_io()
         return options
 
@@ -356,70 +366,3 @@ class ZeroStrategy(LightscaleStrategy):
 
 # DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
 # drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
-_DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-
-
-def refuse_moe(module: LightningModule) -> None:
-    """MoE layers are refused: DeepSpeed would partition the stacked expert weights as dense parameters (ZeRO-3
-    gathers every expert of a layer on every rank), with no expert dimension to shard them over."""
-    if moe_layers(module):
-        raise ConfigurationError(
-            "The ZeRO strategies do not train mixture-of-experts models: DeepSpeed partitions the stacked expert "
-            "weights like dense ones (ZeRO-3 would gather every expert of a layer on every rank) and has no expert "
-            "parallelism here; DeepSpeed's own MoE refuses stage 3. Use 'ep2' or Parallel3DStrategy(ep=N) (experts "
-            "sharded over ranks, tokens sent by all-to-all, the rest FSDP2), or 'fsdp2' / 'parallel_3d' (experts "
-            "sharded by FSDP2 like any weight)."
-        )
-
-
-def silence_deepspeed_noise() -> None:
-    """Ignore the deprecation warnings torch raises for DeepSpeed's collectives (idempotent)."""
-    warnings.filterwarnings("ignore", _DEEPSPEED_NOISE, FutureWarning, r"torch\.distributed\.c10d_logger")
-
-
-def _precision_name(plugin: Precision) -> str:
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)):
-        return plugin.precision
-    if type(plugin) is Precision or getattr(plugin, "precision", None) in ("32-true", "32"):
-        return "32-true"
-    raise ConfigurationError(f"The ZeRO strategies do not support the precision plugin {type(plugin).__name__}.")
-
-
-def _micro_batch_size(trainer: Trainer) -> int:
-    source = trainer.fit_loop._data_source
-    if source.is_defined():
-        loader = source.dataloader()
-        batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-        if batch_size:
-            return batch_size
-    return 1
-
-
-def _read_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return config
-    import json
-
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigurationError(
-            f"ZeroStrategy(config={config!r}): no such file. Valid: a dict of DeepSpeed options or the path of an "
-            "existing JSON file."
-        )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigurationError(f"ZeroStrategy(config={config!r}) is not valid JSON: {error}.") from error
-
-
-def _writable_dir(path: Path) -> Path:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".lightscale_write_test_{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigurationError(f"Offload directory {path} is not writable ({error}); pass nvme_path=... .") from error
-    return path

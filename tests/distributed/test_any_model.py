@@ -8,6 +8,7 @@ single-process training also shows that every strategy starts all ranks from ran
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,9 @@ NEEDS_A_PLAN = {
     "ep2_tp2": "tp_plan",
     "cp2_tp2": "tp_plan",
 }
+# Workers train alone between syncs (every 100 steps by default): parity holds for the first step only (same start,
+# every sample once); test_diloco.py checks DiLoCo against data parallelism exactly at H=1.
+TRAIN_ALONE = {"diloco", "streaming_diloco", "local_sgd"}
 NEEDS_EXPERTS = {"ep2"}  # expert parallelism shards MoE layers: a dense model gets a clear error
 NEEDS_A_SEQUENCE = {"cp2"}  # context parallelism shards sequences: (features, labels) batches have none
 
@@ -126,7 +130,12 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
         return
     per_rank = run_distributed(_fit, name, ranks, str(tmp_path), world_size=ranks, timeout_s=600)
     losses = [sum(step) / ranks for step in zip(*per_rank, strict=True)]
-    tolerance = 1e-2 if name == "bucketed_ddp_bf16" else TOLERANCE  # bf16 on the wire: 8 bits of mantissa
+    if name in TRAIN_ALONE:
+        assert relative_difference(losses[:1], single_process[:1]) <= TOLERANCE
+        assert all(math.isfinite(loss) for loss in losses)
+        return
+    # bf16 on the wire: 8 bits of mantissa; PowerSGD: rank-4 factors with error feedback (measured 1.1e-3)
+    tolerance = 1e-2 if name in ("bucketed_ddp_bf16", "bucketed_ddp_powersgd") else TOLERANCE
     assert relative_difference(losses, single_process) <= tolerance
     assert single_process[-1] < single_process[0]  # it learned
 

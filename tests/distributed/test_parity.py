@@ -27,7 +27,15 @@ GLOBAL_BATCH = 8
 PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)  # stages hold whole layers; no tied head
 RANKS = {"hsdp": 4, "tp2_pp2": 4, "cp2_tp2": 4}
 DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1, "cp2": 1, "cp2_tp2": 1}  # the rest of the ranks are data parallel
-NAMES = [name for name, _ in lightscale.strategy_table() if not name.startswith("ep")]  # MoE names: test_moe.py
+# Names whose gradients are approximate by design: bf16 on the wire (8 bits of mantissa); PowerSGD's rank-4
+# factors with error feedback (measured 7.4e-3 here; its exact properties: tests/distributed/test_powersgd.py).
+APPROXIMATE = {"bucketed_ddp_bf16": 2e-2, "bucketed_ddp_powersgd": 2e-2}
+# MoE names: test_moe.py; DiLoCo's workers train alone between syncs: test_diloco.py (exact at H=1).
+NAMES = [
+    name
+    for name, _ in lightscale.strategy_table()
+    if not name.startswith("ep") and name not in {"diloco", "streaming_diloco", "local_sgd"}
+]
 
 
 def _async_io_available() -> bool:
@@ -102,7 +110,7 @@ def test_every_name_matches_single_process_sgd(name: str, corpus_cache: str, tmp
     config = _config(name)
     losses = _train(strategy, ranks, DATA_PARALLEL.get(name, ranks), corpus_cache, config=config, **extra)
     reference = _reference(corpus_cache, config)
-    tolerance = 2e-2 if name == "bucketed_ddp_bf16" else TOLERANCE  # bf16 on the wire: 8 bits of mantissa
+    tolerance = APPROXIMATE.get(name, TOLERANCE)
     assert relative_difference(losses, reference) <= tolerance
     assert reference[-1] < reference[0] - 1.0  # it learned: the comparison is not vacuous
 

@@ -15,6 +15,7 @@ from helpers import TINY
 from safetensors.torch import load_file
 from torch import nn
 
+import lightscale.checkpoint.convert
 from lightscale.checkpoint import convert as convert_module
 from lightscale.checkpoint.convert import convert, read_model_state
 from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded
@@ -109,9 +110,7 @@ def test_a_failed_safetensors_write_leaves_nothing(tmp_path: Path, monkeypatch: 
         Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    import safetensors.torch
-
-    monkeypatch.setattr(safetensors.torch, "save_file", dies_mid_write)
+    monkeypatch.setattr(lightscale.checkpoint.convert, "save_file", dies_mid_write)
     with pytest.raises(OSError, match="disk full"):
         convert(tmp_path / "plain.pt", tmp_path / "gpt.safetensors")
     assert (tmp_path / "gpt.safetensors").read_bytes() == before  # the previous export, whole

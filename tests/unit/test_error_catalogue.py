@@ -174,9 +174,9 @@ def _module(**kwargs):
 
 
 def _not_writable():
-    from lightscale.strategies.zero import _writable_dir
+    from lightscale.strategies.deepspeed_config import writable_dir
 
-    _writable_dir(Path("/proc/lightscale_offload"))
+    writable_dir(Path("/proc/lightscale_offload"))
 
 
 def _export_wrong_prefix():
@@ -277,6 +277,14 @@ def _other_shape_checkpoint():
     saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
     model = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=32)).state_dict()
     check_shapes(tensor_shapes(saved), tensor_shapes(model), "last.ckpt")
+
+
+def _diloco(world_size=None, **kwargs):
+    from lightscale.strategies import DiLoCoStrategy
+
+    strategy = DiLoCoStrategy(**kwargs)
+    if world_size is not None:  # the layout is checked at setup, once the world size is known
+        strategy.parallel_dims(world_size)
 
 
 def _error(name: str) -> type[BaseException]:
@@ -465,6 +473,18 @@ CATALOGUE: list[tuple] = [
      r"compression='fp8' is not valid; choose one of 'none', 'bf16', 'fp16'"),
     ("compression-p3d", "unknown compression under parallel_3d", lambda: _p3d(compression="bf32"), CE,
      r"compression='bf32' is not valid"),
+    ("powersgd-rank", "PowerSGD rank below 1", lambda: _ddp(compression="powersgd", powersgd_rank=0), CE,
+     r"powersgd_rank=0 is not valid.*integer >= 1"),
+    ("powersgd-warmup", "negative PowerSGD warm-up", lambda: _ddp(compression="powersgd", powersgd_warmup_steps=-1),
+     CE, r"powersgd_warmup_steps=-1 is not valid.*>= 0"),
+    ("powersgd-fsdp2", "compression='powersgd' under FSDP2 (valid only under bucketed_ddp)",
+     lambda: _fsdp2(compression="powersgd"), CE, r"compression='powersgd' is valid only under the bucketed_ddp"),
+    ("powersgd-zero", "compression='powersgd' under ZeRO", lambda: _zero(compression="powersgd"), CE,
+     r"compression='powersgd' is valid only under the bucketed_ddp.*'none', 'bf16', 'fp16'"),
+    ("powersgd-bf16-true", "PowerSGD of bf16-true gradients (a bf16 wire; the factors need fp32)",
+     lambda: _lightscale().Trainer(strategy=_ddp(compression="powersgd"), accelerator="cpu", devices=1,
+                                   precision="bf16-true"), CE,
+     r"compression='powersgd' with precision='bf16-true' is not supported.*'32-true' or 'bf16-mixed'"),
     ("ds-comm-dtype", "DeepSpeed communication_data_type set by hand",
      lambda: _ds_config({"communication_data_type": "fp16"}), CE,
      r"'communication_data_type' is set by lightscale from the strategy's compression"),
@@ -486,6 +506,19 @@ CATALOGUE: list[tuple] = [
      _other_shape_checkpoint, CE,
      r"last\.ckpt was saved from a differently shaped model: tok_embeddings\.weight: checkpoint \(256, 16\), "
      r"model \(256, 32\)"),
+    ("diloco-sync-every", "DiLoCo sync_every below 1", lambda: _diloco(sync_every=0), CE,
+     r"sync_every=0 is not valid; it must be an integer >= 1"),
+    ("diloco-fragments", "DiLoCo fragments not dividing sync_every", lambda: _diloco(sync_every=10, fragments=3), CE,
+     r"fragments=3 does not divide sync_every=10.*choose fragments from \[1, 2, 5, 10\]"),
+    ("diloco-workers", "DiLoCo workers not dividing the world size (at setup)", lambda: _diloco(4, workers=3), CE,
+     r"workers=3 does not divide the world size 4.*Choose workers from \[1, 2, 4\]"),
+    ("diloco-inner", "DiLoCo inner strategy that cannot nest", lambda: _diloco(inner="zero2"), CE,
+     r"inner='zero2' cannot run inside a DiLoCo worker; choose one of bucketed_ddp, fsdp2"),
+    ("diloco-outer-lr", "DiLoCo outer_lr <= 0", lambda: _diloco(outer_lr=0.0), CE,
+     r"outer_lr=0.0 is not valid; it must be > 0"),
+    ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
+     lambda: _diloco(mode="local_sgd", compression="int8"), CE,
+     r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
 ]
 # fmt: on
 

@@ -70,5 +70,13 @@ def test_planned_when_declared_plannable(user_strategy: type[BucketedDDPStrategy
 
 def test_member_of_its_parents_precision_family(user_strategy: type[BucketedDDPStrategy]) -> None:
     assert user_strategy.precision_family == "bucketed_ddp"
-    assert family_members()["bucketed_ddp"] == ["bucketed_ddp", "bucketed_ddp_bf16", NAME]
-    assert f"| bucketed_ddp | `bucketed_ddp`, `bucketed_ddp_bf16`, `{NAME}` |" in render_table(family_members())
+    diloco = ["diloco", "streaming_diloco", "local_sgd"]  # bucketed_ddp inside each worker by default
+    assert family_members()["bucketed_ddp"] == [
+        "bucketed_ddp",
+        "bucketed_ddp_bf16",
+        "bucketed_ddp_powersgd",
+        *diloco,
+        NAME,
+    ]
+    listed = ", ".join(f"`{name}`" for name in family_members()["bucketed_ddp"])
+    assert f"| bucketed_ddp | {listed} |" in render_table(family_members())

@@ -28,9 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-# torch 2.13 deprecates the *_tensor names; older torch has only them.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
 
 
 class Pending:
@@ -64,7 +62,7 @@ def all_gather_along(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    _ALL_GATHER(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -74,7 +72,7 @@ def reduce_scatter_along(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    _REDUCE_SCATTER(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 

@@ -1,0 +1,21 @@
+"""DiLoCo and local SGD as a torch-only building block: :class:`OuterSync` (the ``diloco`` strategies drive it).
+
+:class:`FaultTolerantOuterSync` runs it across workers that may fail and rejoin (torchft, the ``[ft]`` extra).
+"""
+
+from lightscale.parallel.diloco.fault_tolerant import FaultTolerantOuterSync, RoundRecord
+from lightscale.parallel.diloco.outer_sync import MODES, OuterSync, check_outer_settings, nesterov_outer_optimizer
+from lightscale.parallel.diloco.schedule import Schedule, split_fragments
+from lightscale.parallel.diloco.wire import Codec
+
+__all__ = [
+    "MODES",
+    "Codec",
+    "FaultTolerantOuterSync",
+    "OuterSync",
+    "RoundRecord",
+    "Schedule",
+    "check_outer_settings",
+    "nesterov_outer_optimizer",
+    "split_fragments",
+]

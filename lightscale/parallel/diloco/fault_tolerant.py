@@ -1,0 +1,180 @@
+"""DiLoCo whose workers may fail and come back without stopping the job, through torchft.
+
+Each worker (a replica group; here one rank) holds a torchft ``Manager``. At the first inner step of each round
+the workers alive at that moment form a quorum at the lighthouse (:mod:`.lighthouse`); a worker behind the others
+(restarted, or whose last round failed) receives the global parameters, the outer optimizer state and the step
+from a live peer right there, then trains the round like the others. At the round's end the pseudo-gradients are
+summed over the quorum and divided by its size, so each worker of the round counts once; ``should_commit`` gates
+the outer step: if any worker of the round failed, every survivor drops the round (back to the global parameters)
+and the next round goes on with whoever is alive.
+
+Example (each worker process; ``TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510``):
+    >>> ft = FaultTolerantOuterSync(model.named_parameters(), sync_every=4, replica_id="worker_0")
+    >>> while ft.rounds_committed < 10:
+    ...     step = ft.before_inner_step()
+    ...     loss_fn(model(next(batches))).backward(); inner.step(); inner.zero_grad()
+    ...     ft.after_inner_step(step)
+    >>> ft.shutdown()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightscale.parallel.diloco.outer_sync import Mode, OuterOptimizerFactory, OuterSync
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One worker's view of one outer sync: who took part and what went in and out (as checksums)."""
+
+    round: int  # rounds committed before this one: the same number on every worker of the round
+    step: int  # inner steps done
+    participants: int  # workers in the quorum: the divisor of the mean
+    committed: bool  # False: some worker of the round failed; no outer step was taken
+    contribution: float  # checksum of this worker's pseudo-gradient
+    mean: float  # checksum of the mean it received (nan when not committed)
+
+
+def checksum(flat: Tensor) -> float:
+    """Position-weighted sum in float64: linear, so the mean's checksum is the mean of the contributions'."""
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    return float((flat.detach().double().reshape(-1) * weights).sum())
+
+
+class FaultTolerantOuterSync:
+    """:class:`OuterSync` (one fragment, no overlap, fp32) whose outer average goes through a torchft ``Manager``.
+
+    Args:
+        named_parameters: ``(name, tensor)`` pairs of this worker's model.
+        sync_every: ``H``, inner steps per round.
+        replica_id: this worker's name; a restarted worker keeps it (torchft adds a fresh suffix).
+        min_replicas: fewest workers a round may commit with.
+        lighthouse_addr: ``http://127.0.0.1:PORT``; default: the ``TORCHFT_LIGHTHOUSE`` environment variable.
+        mode, outer_optimizer: as for :class:`OuterSync`.
+        timeout: for collectives, commits and the peer-to-peer state transfer; a dead peer costs at most this.
+        quorum_timeout: how long a round's start may wait for ``min_replicas`` live workers.
+        on_round: called with each :class:`RoundRecord`, this worker's payload and the mean (``None`` if dropped).
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, Tensor]],
+        *,
+        sync_every: int,
+        replica_id: str,
+        min_replicas: int = 2,
+        lighthouse_addr: str | None = None,
+        mode: Mode = "diloco",
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        timeout: timedelta = timedelta(seconds=30),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        on_round: Callable[[RoundRecord, Tensor, Tensor | None], None] | None = None,
+    ) -> None:
+        self.sync = OuterSync(
+            named_parameters, sync_every=sync_every, mode=mode, outer_optimizer=outer_optimizer, reduce=self._average
+        )
+        self.on_round = on_round
+        self.history: list[RoundRecord] = []
+        self.heals = 0  # times this worker received the state from a peer
+        self._round_open = False
+        # The replica group's own store (one rank here); torchft prefixes each quorum's keys in it.
+        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self.manager = _build_manager(
+            self, self._store.port, replica_id, min_replicas, lighthouse_addr, timeout, quorum_timeout
+        )
+
+    @property
+    def step(self) -> int:
+        """Inner steps done (jumps to the peers' count when this worker heals)."""
+        return self.sync.step
+
+    @property
+    def rounds_committed(self) -> int:
+        return self.manager.current_step()
+
+    def before_inner_step(self) -> int:
+        """Call before every inner step; returns that step's number. A round's first step waits for its quorum."""
+        if not self._round_open:
+            self.manager.start_quorum()  # synchronous: a healing worker has loaded the peer's state on return
+            self._round_open = True
+        return self.sync.step + 1
+
+    def after_inner_step(self, step: int) -> None:
+        """Call after inner step ``step``; at a round's last step this averages over the round's workers."""
+        self.sync.after_inner_step(step)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    @torch.no_grad()
+    def _average(self, payload: Tensor) -> Tensor | None:
+        self._round_open = False
+        round_, contribution = self.manager.current_step(), payload.clone()
+        self.manager.allreduce(payload).wait()  # sums over the quorum and divides by its size; errors are recorded
+        committed = self.manager.should_commit()  # False on every survivor if any worker of the round failed
+        mean = payload if committed else None
+        record = RoundRecord(
+            round=round_,
+            step=self.sync.step,
+            participants=self.manager.num_participants(),
+            committed=committed,
+            contribution=checksum(contribution),
+            mean=checksum(payload) if committed else math.nan,
+        )
+        self.history.append(record)
+        if self.on_round is not None:
+            self.on_round(record, contribution, mean)
+        return mean
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a healing worker receives: the outer state (global parameters, outer optimizer) and the parameters."""
+        # Copies: torchft's HTTP transport serves this dict when the peer asks, after this worker trained on.
+        params = {name: param.detach().clone() for name, param in zip(self.sync.names, self.sync.params, strict=True)}
+        return {"outer": self.sync.state_dict(), "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sync.load_state_dict(state["outer"])
+        for name, param in zip(self.sync.names, self.sync.params, strict=True):
+            param.copy_(state["params"][name])
+        self.heals += 1
+
+
+def _build_manager(
+    owner: FaultTolerantOuterSync,
+    store_port: int,
+    replica_id: str,
+    min_replicas: int,
+    lighthouse_addr: str | None,
+    timeout: timedelta,
+    quorum_timeout: timedelta,
+) -> Any:
+    # optional extra: pip install lightscale[ft]
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=owner.load_state_dict,
+        state_dict=owner.state_dict,
+        min_replica_size=min_replicas,
+        use_async_quorum=False,  # heal before the round's first step, so the healed worker trains the round
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        rank=0,
+        world_size=1,
+        store_addr="localhost",
+        store_port=store_port,
+        lighthouse_addr=lighthouse_addr,
+        replica_id=replica_id,
+        hostname="localhost",
+    )

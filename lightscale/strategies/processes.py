@@ -1,0 +1,171 @@
+"""The processes under every lightscale strategy, on Lightning's ``ParallelStrategy``: devices and ranks, the launcher,
+the process group (gloo on CPU, nccl on CUDA) with a collective timeout so a hang fails fast, the failure watcher
+that tells every rank when one raises, and the collectives Lightning calls (barrier, broadcast, reduce).
+
+:class:`~lightscale.strategies.base.LightscaleStrategy` adds the model, the step and checkpoints on top.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightscale.errors import ConfigurationError
+from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
+from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
+
+# A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
+# and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten
+# minutes is torch's NCCL default and covers a first-step compile or a large checkpoint write; raise it with
+# ``timeout_s`` for slower ones.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ProcessStrategy(ParallelStrategy):
+    """Ranks, process group and collectives; ``timeout_s`` bounds every collective (seconds)."""
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not timeout_s > 0:
+            raise ConfigurationError(
+                f"timeout_s={timeout_s!r} is not valid: the collective timeout must be positive seconds."
+            )
+        self._num_nodes = 1
+        self._backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
+
+    # ---- devices and processes ---------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide metric syncing and distributed samplers.
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
+        if not dist.is_initialized():
+            self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
+            store = restart_safe_store(self._timeout)
+            kwargs = {"store": store} if store is not None else {}
+            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
+            # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
+            atexit.register(_destroy_process_group)
+        watch_for_failures(self.global_rank)
+
+    def _run_dir(self) -> Path:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd())
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- collectives ---------------------------------------------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
+
+    def _failure_context(self, exception: BaseException) -> str:
+        # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
+        where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
+        if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
+            where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
+            where += " prints where it was"
+            if self._trace_prefix is not None:
+                where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"
+        return where
