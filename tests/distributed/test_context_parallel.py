@@ -101,9 +101,11 @@ def test_cp2_matches_one_process(mode: str, corpus_cache: str) -> None:
         (Parallel3DStrategy(cp=2, tp=2), "tiny", 1),  # sequence + loss parallel inside each cp rank
         (Parallel3DStrategy(cp=2, pp=2), "pipelined", 1),  # 1f1b, 2 microbatches of sequence shards
         (Parallel3DStrategy(cp=2, pp=2, schedule="zbv"), "pipelined", 1),  # zero bubble: backward split in two
+        # Blocks recomputed inside the schedule's backward, the step's cp attention still active: re-entered.
+        (Parallel3DStrategy(cp=2, pp=2, activation_checkpointing="full"), "pipelined", 1),
         (Parallel3DStrategy(cp=2, ep=2), "moe", 2),  # experts over ep, FSDP2 over dp_shard x cp for them
     ],
-    ids=["cp2_dp2", "cp2_dp2_replicate", "cp2_tp2", "cp2_pp2", "cp2_pp2_zbv", "cp2_ep2_moe"],
+    ids=["cp2_dp2", "cp2_dp2_replicate", "cp2_tp2", "cp2_pp2", "cp2_pp2_zbv", "cp2_pp2_full_ac", "cp2_ep2_moe"],
 )
 def test_cp2_composes_on_four_ranks(strategy: Any, config: str, data_shards: int, corpus_cache: str) -> None:
     reference = _gpt_reference(config, corpus_cache)
