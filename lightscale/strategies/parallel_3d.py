@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -36,39 +36,35 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
-from lightscale.parallel.context_parallel import MODES as CP_MODES
 from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import (
-    check_hooks,
     data_parallel_root,
-    has_hook,
-    network_of,
     sharding_units,
-    tp_plan_of,
 )
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
-from lightscale.parallel.fsdp import check_shardable, contains_module
+from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
 from lightscale.parallel.moe import moe_layers
-from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
-    prune_to,
     schedule_class,
-    stage_ids,
-    stage_ids_owner,
     validate_schedule,
 )
-from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
-from lightscale.plugins.fsdp_precision import mp_policy, parallel_3d_precision_plugin, precision_name
+from lightscale.parallel.pipeline_runtime import Pipeline
+from lightscale.plugins.fsdp_precision import parallel_3d_precision_plugin, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.context_parallel_step import (
     ContextParallelStep,
-    check_context_parallel_model,
     check_context_parallel_moe,
-    predict_refusal,
+)
+from lightscale.strategies.parallel_3d_model import (
+    build_pipeline,
+    check_cp_options,
+    check_model,
+    parallelize_part,
+    share_trained_stages,
 )
 from lightscale.strategies.pipeline_step import PipelinedModule, SplittableBatches
 
@@ -200,7 +196,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         check_degrees({"dp": dp, "tp": tp, "pp": pp, "ep": ep, "cp": cp}, inferable=["dp"])  # at construction
         if ep > 1 and dp_mode == "replicate":
             raise ConfigurationError("ep > 1 shards the dense part with FSDP2 over dp x ep: use dp_mode='shard'.")
-        _check_cp_options(cp, cp_mode, compile=compile)
+        check_cp_options(cp, cp_mode, compile=compile)
         schedule_class(schedule)  # unknown names fail here
         self.dp, self.tp, self.pp, self.ep, self.cp, self.dp_mode = dp, tp, pp, ep, cp, dp_mode
         self.cp_mode = cp_mode
@@ -242,22 +238,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # validates the degrees against the world size
-        module = self.lightning_module
-        check_hooks(module, tp=self.tp, pp=self.pp)  # a missing plan fails here, naming the hook to write
-        if has_hook(module, "validate_parallelism"):
-            module.validate_parallelism(
-                tp=self.tp,
-                num_stages=self.num_stages,
-                sequence_parallel=self.sequence_parallel,
-                loss_parallel=self.loss_parallel,
-            )
-        if self.cp > 1:
-            trainer = module.trainer
-            if trainer.state.fn == TrainerFn.PREDICTING:
-                raise ConfigurationError(predict_refusal(self.cp))
-            block_size = getattr(trainer.datamodule, "block_size", None)  # a datamodule's declared sequence length
-            length = block_size if isinstance(block_size, int) else None
-            check_context_parallel_model(module, cp=self.cp, tp=self.tp, mode=self.cp_mode, sequence_length=length)
+        check_model(self, self.lightning_module)
 
     # ---- applying parallelism ------------------------------------------------------------------------------
     @property
@@ -283,58 +264,13 @@ class Parallel3DStrategy(LightscaleStrategy):
             check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
-            self.pipelined = self._build_pipeline(module, module.model)
+            self.pipelined = build_pipeline(self, module, module.model)
             self.pipelined.attach()
         else:
             # The same root as under fsdp2 (same program for the same degrees).
             self._root = data_parallel_root(module)
-            self._parallelize(module, self._root, sharding_units(module))
+            parallelize_part(self, module, self._root, sharding_units(module))
         return module
-
-    def _parallelize(self, module: LightningModule, root: nn.Module, units: list[nn.Module]) -> None:
-        plan = None
-        if self.dims.tp_enabled:
-            plan = tp_plan_of(module, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
-        network = root if self.dims.pp_enabled else network_of(module)
-        policy = None  # no FSDP (dp = ep = 1 without a pipeline): autocast computes, nothing is reduced
-        if self.shards_data_parallel or self.dims.pp_enabled:  # under a pipeline autocast computes, FSDP only reduces
-            name = precision_name(self.precision_plugin)
-            policy = mp_policy(name, self.compression, cast_params=not self.dims.pp_enabled)
-        options = ParallelizeOptions(
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            mp_policy=policy,
-            reshard_after_forward=not self.dims.pp_enabled,  # pipelines re-use weights across microbatches
-        )
-        parallelize_model(
-            root,
-            self.device_mesh,
-            units=units,
-            options=options,
-            network=network,
-            tp_plan=plan,
-            moe_layers=moe_layers(root),
-        )
-
-    def _build_pipeline(self, module: LightningModule, model: nn.Module) -> PipelinedModule:
-        names = module.pipeline_stages(self.num_stages)
-        all_names = [name for stage in names for name in stage]
-        pp_mesh = self.device_mesh["pp"]
-        ids = stage_ids(pp_mesh.get_local_rank(), self.pp, self.stages_per_rank, v_shape=self.schedule == "zbv")
-        stages = {index: prune_to(model, names[index], all_names) for index in ids}
-        units = sharding_units(module)
-        for stage in stages.values():
-            self._parallelize(module, stage, [unit for unit in units if contains_module(stage, unit)])
-        pipeline = Pipeline(
-            stages,
-            schedule=self.schedule,
-            num_stages=self.num_stages,
-            microbatches=self.microbatches,
-            loss_fn=module.loss_fn,
-            pp_group=pp_mesh.get_group(),
-            device=self.root_device,
-        )
-        return PipelinedModule(module, pipeline, names, ids)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def _loss_parallel(self) -> AbstractContextManager:
@@ -424,30 +360,6 @@ class Parallel3DStrategy(LightscaleStrategy):
         if module is not None and network is not None:
             trainer = module._trainer
             if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # no collectives on errors
-                self._share_stage_weights(network)
+                share_trained_stages(self, network)
             self.pipelined.detach()  # the user's network object again, not this rank's pipeline stages
         super().teardown()
-
-    def _share_stage_weights(self, network: nn.Module) -> None:
-        """Every rank's network gets the weights of the stages other ranks ran (its own copies of those layers
-        were never trained or loaded), so the whole network the user gets back holds the trained weights."""
-        module = self.lightning_module
-        v_shape = self.schedule == "zbv"
-        share_stage_weights(
-            network,
-            module.pipeline_stages(self.num_stages),
-            owner_of=lambda stage: stage_ids_owner(stage, self.pp, v_shape=v_shape),
-            pp_group=self.device_mesh["pp"].get_group(),
-        )
-
-
-def _check_cp_options(cp: int, mode: str, *, compile: bool) -> None:
-    """Refuse, at construction, a cp attention mode that does not exist and options cp does not compose with."""
-    if mode not in CP_MODES:
-        raise ConfigurationError(f"Unknown cp_mode {mode!r}; valid: {list(CP_MODES)}.")
-    if cp > 1 and compile:
-        raise ConfigurationError(
-            f"cp={cp} with compile=True is not supported: context parallelism routes attention through a "
-            "TorchFunctionMode and point-to-point collectives, which torch.compile'd blocks would graph-break around "
-            "or bake out. Use compile=False with cp > 1, or cp=1."
-        )
