@@ -223,10 +223,11 @@ def check_strategies(deadline: float) -> Result:
     return result
 
 
-def check_mfu(deadline: float) -> Result:
-    result = Result("mfu", "pass", notes=["GPT-2 124M (vocab 50304, 1024 tokens), bf16-mixed, world size 1"])
-    for run in MFU_RUNS:
-        found = isolated(f"{W}:measure_mfu", run, timeout=deadline - time.monotonic())
+def _rows_check(name: str, note: str, worker: str, runs: list[dict], deadline: float) -> Result:
+    """One isolated worker call per run, a row each; a run that fails is an error of the check, the rest still run."""
+    result = Result(name, "pass", notes=[note])
+    for run in runs:
+        found = isolated(f"{W}:{worker}", run, timeout=deadline - time.monotonic())
         if "error" in found:
             result.status = "fail"
             result.errors.append(f"{run['label']}: {found['error']}")
@@ -235,16 +236,14 @@ def check_mfu(deadline: float) -> Result:
     return result
 
 
+def check_mfu(deadline: float) -> Result:
+    note = "GPT-2 124M (vocab 50304, 1024 tokens), bf16-mixed, world size 1"
+    return _rows_check("mfu", note, "measure_mfu", MFU_RUNS, deadline)
+
+
 def check_estimate(deadline: float) -> Result:
-    result = Result("estimate", "pass", notes=["measured: torch.cuda.max_memory_allocated over 3 training steps"])
-    for config in ESTIMATE_CONFIGS:
-        found = isolated(f"{W}:estimate_vs_measured", config, timeout=deadline - time.monotonic())
-        if "error" in found:
-            result.status = "fail"
-            result.errors.append(f"{config['label']}: {found['error']}")
-        else:
-            result.rows.append(found)
-    return result
+    note = "measured: torch.cuda.max_memory_allocated over 3 training steps"
+    return _rows_check("estimate", note, "estimate_vs_measured", ESTIMATE_CONFIGS, deadline)
 
 
 def check_offload(deadline: float) -> Result:
