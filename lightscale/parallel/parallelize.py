@@ -1,5 +1,4 @@
-"""The one way lightscale parallelizes a single-device model: float8 -> TP -> EP -> activation checkpointing -> compile
--> FSDP.
+"""The one way lightscale parallelizes a single-device model: float8 -> TP -> EP -> AC -> compile -> FSDP.
 
 ``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: float8 first when
