@@ -39,7 +39,11 @@ class Trainer(LightningTrainer):
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
     """
 
-    def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, resume: str | None = None, precision: str | int | None = None, **kwargs: Any
+    ) -> None:
+        # ``precision`` is named here so the CLI accepts lightscale's names Lightning's type does not list (float8).
+        kwargs["precision"] = precision
         check_resume(resume)
         ignore_lightning_pytree_deprecation()
         register_strategies()
