@@ -69,3 +69,27 @@ def test_missing_torchao_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ConfigurationError, match=r"pip install 'lightscale\[float8\]'"):
         apply_float8(Tied(), Float8Options(), fsdp_all_gather=False)
+
+
+def test_float8_tp_styles_replace_the_plain_ones_for_converted_layers_on_cuda() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from lightscale.parallel.float8 import float8_tp_plan
+    from lightscale.recipes.gpt import GPTConfig
+    from lightscale.recipes.gpt.model import GPT
+    from lightscale.recipes.gpt.parallelize import gpt_tp_plan
+
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_float8(model, Float8Options(), fsdp_all_gather=False, tp=2)
+    plan = gpt_tp_plan()
+    cuda = float8_tp_plan(plan, model, Float8Options(), device_type="cuda")
+    assert type(cuda["layers.*.attention.wq"]) is Float8ColwiseParallel
+    assert type(cuda["layers.*.attention.wo"]) is Float8RowwiseParallel
+    assert cuda["layers.*.attention.wo"].output_layouts == plan["layers.*.attention.wo"].output_layouts
+    assert type(cuda["output"]) is ColwiseParallel  # tied head: not converted
+    assert type(cuda["tok_embeddings"]) is RowwiseParallel  # an embedding
+    assert float8_tp_plan(plan, model, Float8Options(), device_type="cpu") is plan  # gloo moves no float8
+    assert float8_tp_plan(plan, model, Float8Options(recipe="rowwise"), device_type="cuda") is plan
