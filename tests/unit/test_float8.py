@@ -1,5 +1,5 @@
 """float8 training (torchao): which Linear layers convert, what is refused, and the extra's error (one process).
-Training runs: tests/distributed/test_float8.py."""
+Training runs: tests/distributed/test_float8_training.py."""
 
 from __future__ import annotations
 
