@@ -65,15 +65,21 @@ def test_float8_tracks_bf16_over_50_steps(corpus_cache: str) -> None:
     assert runs["float8+ac"] == runs["float8-10"]
 
 
-def _tp2(cache_dir: str) -> dict[str, list[float]]:
-    return {p: _fit(Parallel3DStrategy(tp=2), p, cache_dir, 10, devices=2) for p in ("bf16-mixed", "float8")}
+def _two_ranks(cache_dir: str) -> dict[tuple[str, str], list[float]]:
+    strategies = {"tp2": lambda: Parallel3DStrategy(tp=2), "hsdp": lambda: "hsdp"}
+    return {
+        (name, p): _fit(make(), p, cache_dir, 10, devices=2)
+        for name, make in strategies.items()
+        for p in ("bf16-mixed", "float8")
+    }
 
 
-def test_float8_under_tensor_parallelism_tracks_bf16(corpus_cache: str) -> None:
-    runs = run_distributed(_tp2, corpus_cache, world_size=2, timeout_s=300)[0]
-    difference = _difference(runs["float8"], runs["bf16-mixed"])
-    print(f"tp2 float8: mean relative loss difference vs bf16-mixed over 10 steps {difference:.2e}")
-    assert difference < PARITY
+def test_float8_under_tensor_parallelism_and_hsdp_tracks_bf16(corpus_cache: str) -> None:
+    runs = run_distributed(_two_ranks, corpus_cache, world_size=2, timeout_s=300)[0]
+    for name in ("tp2", "hsdp"):
+        difference = _difference(runs[name, "float8"], runs[name, "bf16-mixed"])
+        print(f"{name} float8: mean relative loss difference vs bf16-mixed over 10 steps {difference:.2e}")
+        assert difference < PARITY, name
 
 
 # ---- FSDP2 moves float8 bytes ----------------------------------------------------------------------------------
