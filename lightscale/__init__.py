@@ -5,6 +5,7 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
+from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
@@ -13,3 +14,4 @@ __all__ = ["Trainer", "__version__", "register_strategies", "strategy_table"]
 
 register_strategies()
 check_strategy_in_lightning()
+install_lightning_loading()  # Lightning's loaders read lightscale checkpoint directories (checkpoint/lightning_load.py)

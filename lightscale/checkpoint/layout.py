@@ -68,10 +68,16 @@ def lightning_rest(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in checkpoint.items() if key not in _DCP_ENTRIES}
 
 
-def trainer_state_of(checkpoint: dict[str, Any], *, strategy: str, world_size: int) -> dict[str, Any]:
+def trainer_state_of(
+    checkpoint: dict[str, Any], *, strategy: str, world_size: int, optimizers: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """``trainer_state.pt``'s content: :func:`lightning_rest` plus the ``lightscale`` entry naming the writer and
-    holding every rank's random state (collective: the states are gathered)."""
-    writer = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
+    holding every rank's random state (collective: the states are gathered) and, when given, the optimizers' classes
+    and parameter names per group (lightning_format.py's ``describe_optimizers``: Lightning's loaders number the
+    name-keyed optimizer state by it)."""
+    writer: dict[str, Any] = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
+    if optimizers is not None:
+        writer["optimizers"] = optimizers
     return {**lightning_rest(checkpoint), "lightscale": {**writer, "rng": gather_rng_states()}}
 
 

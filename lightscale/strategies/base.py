@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.lightning_format import describe_optimizers
 from lightscale.checkpoint.rng import restore_rng_states
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
@@ -305,8 +306,18 @@ class LightscaleStrategy(ProcessStrategy):
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
-        holding every rank's random state (collective)."""
-        return trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
+        holding every rank's random state and the optimizers' parameter groups (collective)."""
+        optimizers = self.saved_optimizers()
+        return trainer_state_of(
+            checkpoint, strategy=type(self).__name__, world_size=self.world_size, optimizers=optimizers
+        )
+
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries
+        hold (collective), so that Lightning's loaders can number it as torch does (checkpoint/lightning_format.py);
+        None where the layout holds no such state."""
+        with self.checkpoint_module() as module:
+            return describe_optimizers(module, self.optimizers)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

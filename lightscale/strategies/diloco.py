@@ -230,6 +230,19 @@ class DiLoCoStrategy(LightscaleStrategy):
             out[name] = tensor
         return out
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's persistent buffers (the same on every rank): saved beside the global parameters so that the
+        ``model.*`` entries are the module's whole ``state_dict``; loading fills them in place."""
+        module = self.lightning_module
+        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        state = module.state_dict(keep_vars=True)
+        return {name: t for name, t in state.items() if name not in params and isinstance(t, torch.Tensor)}
+
+    @override
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """None while training: each worker's inner state is its own (``diloco.*``), no ``optimizer.*`` entries."""
+        return super().saved_optimizers() if self.outer is None else None
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.outer is None:
@@ -239,7 +252,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
         meta["workers"] = self.dims.dp_replicate
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
-        write_checkpoint(path, {"model": self._globals(), "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
+        model = {**self._globals(), **self._buffers()}
+        write_checkpoint(path, {"model": model, "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -256,7 +270,7 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"{None if saved is None else saved['workers']}); resume with the saved layout, or load its global "
                 f"model into a new run with `lightscale export`."
             )
-        tensors = read_diloco_state(path, self._globals(), worker=self.worker, shard=self.shard)
+        tensors = read_diloco_state(path, {**self._globals(), **self._buffers()}, worker=self.worker, shard=self.shard)
         load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
         return {**meta, "optimizer_states": []}
 

@@ -31,7 +31,7 @@ from lightscale.checkpoint.deepspeed_dir import (
 )
 from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
 from lightscale.checkpoint.zero_load import load_zero_state_dict
-from lightscale.checkpoint.zero_portable import group_parameter_names, zero_state_dict
+from lightscale.checkpoint.zero_portable import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
@@ -338,6 +338,13 @@ class ZeroStrategy(LightscaleStrategy):
         rest = self.trainer_state(checkpoint)
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
+
+    @override
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """The user's optimizer (DeepSpeed's inner one) and its groups' names, recorded before DeepSpeed flattened
+        them."""
+        zero = zero_optimizer(self.engine) if self.optimizers else None
+        return [] if zero is None else [{"class": type(zero.optimizer).__name__, "groups": self._group_names}]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
