@@ -101,6 +101,7 @@ class ZeroStrategy(LightscaleStrategy):
             {"stage": 3, "offload_optimizer": True, "offload_params": True, "nvme_path": "auto"},
         ),
     }
+    checkpoint_formats = get_args(CheckpointFormat)
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded"),
         Plannable("zero2", "2Ψ", "+ gradients sharded"),
@@ -138,15 +139,9 @@ class ZeroStrategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         require_deepspeed()
-        super().__init__(**kwargs)
+        super().__init__(checkpoint_format=checkpoint_format, **kwargs)
         check_compression(compression, self.precision_family)
         self.compression = compression
-        if checkpoint_format not in get_args(CheckpointFormat):
-            raise ConfigurationError(
-                f"checkpoint_format={checkpoint_format!r} is not one of {list(get_args(CheckpointFormat))}: 'dcp' is "
-                "the portable layout every strategy loads, 'deepspeed' DeepSpeed's own engine directory."
-            )
-        self.checkpoint_format = checkpoint_format
         self._group_names: list[list[str]] = []
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"

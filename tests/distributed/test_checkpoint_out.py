@@ -91,17 +91,31 @@ def loader(batch_size: int) -> DataLoader:
 class Case:
     name: str
     strategy: Any  # a factory
-    optimizer_state: bool  # whether the checkpoint holds optimizer state Lightning can restore
+    # None: Lightning's fit restores the optimizer state; else the error and message fit(ckpt_path) raises
+    refusal: tuple[type[Exception], str] | None = None
 
 
+NO_STATE = (ConfigurationError, "cannot restore the optimizers")
 CASES = [
-    Case("bucketed_ddp", BucketedDDPStrategy, True),
-    Case("fsdp2", FSDP2Strategy, True),
-    Case("zero3", lambda: ZeroStrategy(stage=3), True),
-    Case("zero2_deepspeed_dir", lambda: ZeroStrategy(stage=2, checkpoint_format="deepspeed"), False),
-    Case("diloco", lambda: DiLoCoStrategy(workers=2, sync_every=2), False),
+    Case("bucketed_ddp", BucketedDDPStrategy),
+    Case("bucketed_ddp_file", lambda: BucketedDDPStrategy(checkpoint_format="file")),
+    Case("fsdp2", FSDP2Strategy),
+    Case("zero3", lambda: ZeroStrategy(stage=3)),
+    Case("zero2_deepspeed_dir", lambda: ZeroStrategy(stage=2, checkpoint_format="deepspeed"), NO_STATE),
+    Case("diloco", lambda: DiLoCoStrategy(workers=2, sync_every=2), NO_STATE),
+    Case(
+        "diloco_file",
+        lambda: DiLoCoStrategy(workers=2, sync_every=2, checkpoint_format="file"),
+        (KeyError, "contains only the model"),
+    ),
 ]
 NAMES = [case.name for case in CASES]
+# checkpoint_format="file" resumes under other strategies and world sizes: (name, factory, world size)
+FILE_RESUMES = [
+    ("fsdp2@2", FSDP2Strategy, 2),
+    ("zero3@2", lambda: ZeroStrategy(stage=3), 2),
+    ("fsdp2@1", FSDP2Strategy, 1),
+]
 
 
 # ---- the one launch --------------------------------------------------------------------------------------------
@@ -142,14 +156,20 @@ def _launch(root: Path) -> dict[str, Any]:
         losses = _fit(case.strategy(), [saver])
         out[case.name] = {"losses": losses, "state": {k[len("model.") :]: v for k, v in saver.state.items()}}
     out["ddp_resumed"] = _fit("ddp", [], ckpt_path=str(root / "fsdp2.ckpt"))  # Lightning's own DDP
-    return out
+    return out | _resume_file(root, 2)
+
+
+def _resume_file(root: Path, world_size: int) -> dict[str, list[float]]:
+    file = str(root / "bucketed_ddp_file.ckpt")
+    return {name: _fit(factory(), [], file) for name, factory, size in FILE_RESUMES if size == world_size}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("checkpoint_out")
     results = run_distributed(_launch, root, world_size=2, timeout_s=300)[0]
-    return {"root": root, **results}
+    one_rank = run_distributed(_resume_file, root, 1, world_size=1, timeout_s=120)[0]
+    return {"root": root, **results, **one_rank}
 
 
 def _path(trained: dict[str, Any], name: str) -> str:
@@ -209,7 +229,7 @@ def test_lightning_validate_reads_the_checkpoint(trained: dict[str, Any], name: 
     assert metrics[0]["val_loss"] == pytest.approx(F.cross_entropy(reference(x), y).item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("name", [case.name for case in CASES if case.optimizer_state])
+@pytest.mark.parametrize("name", [case.name for case in CASES if case.refusal is None])
 def test_lightning_fit_resumes_with_the_optimizer_state(trained: dict[str, Any], name: str) -> None:
     losses = StepLosses()
     trainer = _plain_trainer(max_steps=STEPS, callbacks=[losses], limit_val_batches=0)
@@ -224,11 +244,28 @@ def test_lightning_ddp_resumes_an_fsdp2_checkpoint(trained: dict[str, Any]) -> N
     assert relative_difference(trained["ddp_resumed"], expected) <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", [case.name for case in CASES if not case.optimizer_state])
-def test_lightning_fit_refuses_a_checkpoint_without_optimizer_state(trained: dict[str, Any], name: str) -> None:
+@pytest.mark.parametrize("case", [case for case in CASES if case.refusal is not None], ids=lambda case: case.name)
+def test_lightning_fit_refuses_a_checkpoint_without_optimizer_state(trained: dict[str, Any], case: Case) -> None:
     trainer = _plain_trainer(max_steps=STEPS, limit_val_batches=0)
-    with pytest.raises(ConfigurationError, match="cannot restore the optimizers"):
-        trainer.fit(Net(**HPARAMS), loader(GLOBAL_BATCH), ckpt_path=_path(trained, name))
+    error, message = case.refusal
+    with pytest.raises(error, match=message):
+        trainer.fit(Net(**HPARAMS), loader(GLOBAL_BATCH), ckpt_path=_path(trained, case.name))
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in FILE_RESUMES])
+def test_a_single_file_resumes_under_other_strategies_and_world_sizes(trained: dict[str, Any], name: str) -> None:
+    expected = trained["bucketed_ddp_file"]["losses"][SAVE_AT:]
+    assert relative_difference(trained[name], expected) <= TOLERANCE, (trained[name], expected)
+
+
+def test_checkpoint_format_file_writes_lightnings_own_file(trained: dict[str, Any]) -> None:
+    for name in ("bucketed_ddp_file", "diloco_file"):
+        path = trained["root"] / f"{name}.ckpt"
+        assert path.is_file()
+        saved = torch.load(path, weights_only=True)
+        assert saved["hyper_parameters"] == HPARAMS and saved["global_step"] == SAVE_AT
+        _same(saved["state_dict"], trained[name]["state"])
+    assert len(torch.load(trained["root"] / "bucketed_ddp_file.ckpt", weights_only=True)["optimizer_states"]) == 1
 
 
 def test_lightning_fit_refuses_another_optimizer(trained: dict[str, Any]) -> None:
