@@ -148,8 +148,10 @@ def _read_trainer_state(file: Path, *, weights_only: bool | None) -> dict[str, A
     except pickle.UnpicklingError as error:
         first_line = str(error).strip().splitlines()[0]
         raise UnsafeCheckpointError(
-            f"Refusing to read {file}: it is not weights-only data and may run code if unpickled. Pass "
-            f"weights_only=False only if you trust it. ({first_line})"
+            f"Refusing to read {file}: it is not weights-only data and may run code if unpickled. A plain class of "
+            "yours in it (a config dataclass in the hyper-parameters) loads once registered with "
+            "lightscale.checkpoint.allow_in_checkpoints(cls) in this process; else pass weights_only=False only if you "
+            f"trust the file. ({first_line})"
         ) from None
 
 
