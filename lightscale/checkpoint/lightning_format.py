@@ -44,6 +44,7 @@ from lightscale.errors import ConfigurationError
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
 _OPTIMIZER = "optimizer."
+_UNKNOWN = "?"  # the name of an optimized parameter that is not the module's
 # What DeepSpeed writes beside Lightning's client state in its model-states file (not part of Lightning's checkpoint).
 _DEEPSPEED_KEYS = frozenset(
     (
@@ -56,16 +57,17 @@ _DEEPSPEED_KEYS = frozenset(
 
 
 # ---- what a writer records ------------------------------------------------------------------------------------
-def describe_optimizers(module: nn.Module, optimizers: Iterable[Optimizer]) -> list[dict[str, Any]]:
+def describe_optimizers(module: nn.Module, optimizers: Iterable[Optimizer]) -> list[dict[str, Any]] | None:
     """Per optimizer its class name and the parameter names of each group, in the optimizer's order (collective
     under a process group: pipeline stages hold different parameters, so every rank's names are merged in rank
     order). Stored in ``trainer_state.pt``; it numbers the layout's name-keyed state the way torch's does."""
     mine = _describe_local(module, optimizers)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return merge_descriptions(every)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        mine = merge_descriptions(every)
+    named = all(_UNKNOWN not in names for optimizer in mine for names in optimizer["groups"])
+    return mine if named else None  # a parameter outside the module: its state cannot be named
 
 
 def merge_descriptions(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -267,10 +269,13 @@ def check_optimizers(checkpoint: dict[str, Any], module: nn.Module, optimizers: 
 
 
 def _describe_local(module: nn.Module, optimizers: Iterable[Optimizer]) -> list[dict[str, Any]]:
-    """This rank's part of :func:`describe_optimizers` (names of parameters outside ``module``: ``"?"``)."""
+    """This rank's part of :func:`describe_optimizers` (parameters outside ``module``: :data:`_UNKNOWN`)."""
     names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
     return [
-        {"class": type(o).__name__, "groups": [[names.get(id(p), "?") for p in g["params"]] for g in o.param_groups]}
+        {
+            "class": type(o).__name__,
+            "groups": [[names.get(id(p), _UNKNOWN) for p in g["params"]] for g in o.param_groups],
+        }
         for o in optimizers
     ]
 
