@@ -50,6 +50,7 @@ from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
@@ -183,6 +184,8 @@ class LightscaleStrategy(ProcessStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        # Before any DataLoader (and its workers, which inherit it) exists: lightscale.data_shard() reads it.
+        publish_data_shard(DataShard(self._dims.data_rank(self.global_rank), self._dims.data_shards))
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
