@@ -1,4 +1,5 @@
-"""parallel_3d: (1) measured pipeline idle per rank vs each schedule's bubble; (2) tp=2 step time vs a DTensor loop.
+"""parallel_3d: (1) measured pipeline idle per rank vs each schedule's bubble; (2) tp=2 step time vs a DTensor loop;
+(3) the cost of checking that tp ranks got the same batch.
 
 (1) Every stage is the same stack of Linear layers (equal cost by construction). On 2 forked ranks each schedule
 runs ``--microbatches`` microbatches; the busy time of a rank is calibrated by running its stages' forward and
@@ -9,6 +10,10 @@ backward 2) for the others; the ratio measured / theoretical is 1 for a perfect 
 (2) The GPT recipe under ``parallel_3d`` with tp=2 (Lightning's loop) vs a hand-written loop doing the same work:
 ``parallelize_gpt`` on the same mesh, forward + backward under ``loss_parallel``, AdamW step. Interleaved ABBA,
 medians of step times after warm-up.
+
+(3) The same tp=2 run with the batch agreement check (lightscale/parallel/batch_agreement.py) at every step vs off,
+interleaved ABBA: the step-time ratio, and the check's own cost (the median of 50 checks of a batch the run's size on
+the same 2 ranks) as a share of a step, every step and at the default interval.
 
     python benchmarks/bench_3d.py [--microbatches 4] [--steps 6] [--repeats 2]
 """
@@ -31,6 +36,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, timed_trainer
 
+from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement
 from lightscale.parallel.pipeline import default_stages_per_rank, schedule_class, stage_ids
 from lightscale.parallel.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
@@ -91,10 +97,11 @@ def _theory(name: str, pp: int, microbatches: int) -> float:
     return sum(idle_fractions(schedule_slots(name, pp=pp, microbatches=microbatches), pp)) / pp
 
 
-def _lightscale_tp(steps: int, cache_dir: str) -> float:
+def _lightscale_tp(steps: int, cache_dir: str, check_every: int | None = DEFAULT_EVERY) -> float:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(WARMUP)
-    trainer = timed_trainer(Parallel3DStrategy(tp=2), devices=2, steps=steps, callbacks=[timer])
+    strategy = Parallel3DStrategy(tp=2, check_batches_every=check_every)
+    trainer = timed_trainer(strategy, devices=2, steps=steps, callbacks=[timer])
     data = GPTDataModule(block_size=MODEL.block_size, batch_size=8, cache_dir=cache_dir)
     trainer.fit(GPTModule(MODEL, warmup_steps=1), data)
     return median(timer.times)
@@ -118,6 +125,32 @@ def _raw_tp(steps: int, cache_dir: str) -> float:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     return median(times[WARMUP:])
+
+
+def _check_cost(calls: int = 50) -> float:
+    """Seconds of one batch agreement check (checksum, all-gather, compare) of a batch of 8 x block_size tokens."""
+    agreement = BatchAgreement(ParallelDims(world_size=2, tp=2), every=1)
+    tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.block_size + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        agreement.maybe_check(batch, device=torch.device("cpu"))
+        times.append(time.perf_counter() - start)
+    return median(times[WARMUP:])
+
+
+def _check_overhead(steps: int, repeats: int, cache: str) -> None:
+    checks = {"every step": 1, "off": None}
+    times: dict[str, list[float]] = {name: [] for name in checks}
+    for name in interleaved(list(checks), repeats):
+        run = run_distributed(_lightscale_tp, steps, cache, checks[name], world_size=2, timeout_s=600)
+        times[name].append(run[0])
+    on, off = median(times["every step"]), median(times["off"])
+    cost = max(run_distributed(_check_cost, world_size=2))
+    print(f"bench_3d (3): batch agreement check, tp=2: every step {on * 1e3:.1f} ms/step, off {off * 1e3:.1f} ms/step, "
+          f"ratio {on / off:.3f}; one check {cost * 1e3:.2f} ms = {cost / off:.2%} of a step, at the default "
+          f"(every {DEFAULT_EVERY} steps) {cost / off / DEFAULT_EVERY:.4%}")  # fmt: skip
 
 
 def main() -> None:
@@ -145,6 +178,7 @@ def main() -> None:
     ours, raw = median(times["parallel_3d"]), median(times["dtensor_loop"])
     print(f"bench_3d (2): GPT {MODEL.n_layer}x{MODEL.n_embd}, tp=2, batch 8x{MODEL.block_size}: parallel_3d "
           f"{ours * 1e3:.1f} ms/step, DTensor loop {raw * 1e3:.1f} ms/step, ratio {ours / raw:.3f}")  # fmt: skip
+    _check_overhead(args.steps + WARMUP, args.repeats, cache)
 
 
 if __name__ == "__main__":

@@ -103,3 +103,14 @@ def test_check_runs_at_the_first_step_and_every_n() -> None:
     with pytest.raises(ConfigurationError, match="check_batches_every=True"):
         BatchAgreement(ParallelDims(world_size=1), every=True)
     assert not BatchAgreement(ParallelDims(world_size=2, tp=2), every=None).needed
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shards"), [("tp2", [(0, 1), (0, 1)]), ("ep2", [(0, 2), (1, 2)]), ("fsdp2", [(0, 2), (1, 2)])]
+)
+def test_the_trainer_publishes_the_shard_when_constructed(clean_env, strategy, shards) -> None:
+    # Each rank as Lightning's launcher starts it (LOCAL_RANK): the shard is known before fit, with no process group.
+    for local_rank, shard in enumerate(shards):
+        with mock.patch.dict(os.environ, LOCAL_RANK=str(local_rank)):
+            lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+            assert lightscale.data_shard() == shard
