@@ -1,7 +1,8 @@
 """The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
 process group, collective timeout, failure watcher, collectives).
 
-What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and
+What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
+each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
 checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
 checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
 teardown.
