@@ -198,7 +198,8 @@ class LightscaleStrategy(ProcessStrategy):
         super().set_world_ranks()
         with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
             dims = self.parallel_dims(self.world_size)
-            publish_data_shard(DataShard(dims.data_rank(self.global_rank), dims.data_shards))
+            shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+            publish_data_shard(shard, rank=self.global_rank, world_size=self.world_size)
 
     @override
     def setup_environment(self) -> None:
