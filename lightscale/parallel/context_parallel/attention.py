@@ -44,7 +44,6 @@ from lightscale.parallel.context_parallel.blocks import (
     attends,
     finish,
 )
-from lightscale.parallel.context_parallel.kernels import choose_kernel
 from lightscale.parallel.context_parallel.comm import (
     Pending,
     all_gather_along,
@@ -53,6 +52,7 @@ from lightscale.parallel.context_parallel.comm import (
     reduce_scatter_along,
     send_to_next,
 )
+from lightscale.parallel.context_parallel.kernels import choose_kernel
 from lightscale.parallel.context_parallel.layout import Layout, check_sequence_length, chunk_ranges, local_positions
 
 Mode = Literal["ring", "allgather", "ulysses"]

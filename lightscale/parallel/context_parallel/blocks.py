@@ -130,9 +130,11 @@ def attend(
     qo, ko = _offsets(q_ranges), _offsets(k_ranges)
     for call in plan(q_ranges, k_ranges, causal=causal):
         rows, keys = slice(qo[call.q_first], qo[call.q_end]), slice(ko[call.k_first], ko[call.k_end])
-        out, lse = block_forward(kernel, q[..., rows, :], k[..., keys, :], v[..., keys, :], causal=call.causal, scale=scale)
-        sizes = [qo[i + 1] - qo[i] for i in range(call.q_first, call.q_end)]
-        for i, part_out, part_lse in zip(range(call.q_first, call.q_end), out.split(sizes, -2), lse.split(sizes, -1)):
+        q_rows, k_rows, v_rows = q[..., rows, :], k[..., keys, :], v[..., keys, :]
+        out, lse = block_forward(kernel, q_rows, k_rows, v_rows, causal=call.causal, scale=scale)
+        chunks = range(call.q_first, call.q_end)
+        sizes = [qo[i + 1] - qo[i] for i in chunks]
+        for i, part_out, part_lse in zip(chunks, out.split(sizes, -2), lse.split(sizes, -1), strict=True):
             part = Partial(part_out.to(dtype), part_lse.to(dtype))
             acc[i] = part if acc[i] is None else merge(acc[i], part)
     return acc

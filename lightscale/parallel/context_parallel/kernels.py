@@ -136,9 +136,9 @@ def _cudnn_backward(
     seed = offset = _no_dropout_state(q, (), torch.int64)
     lengths = (q.shape[-2], k.shape[-2])
     # cuDNN wants the gradient laid out like the output.
-    grad = torch.empty_like(out).copy_(grad)
+    grad, lse = torch.empty_like(out).copy_(grad), lse.float().unsqueeze(-1)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse.float().unsqueeze(-1), seed, offset, None, None, None, *lengths, 0.0, causal, scale=scale
+        grad, q, k, v, out, lse, seed, offset, None, None, None, *lengths, 0.0, causal, scale=scale
     )
 
 
