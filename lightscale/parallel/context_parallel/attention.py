@@ -198,29 +198,54 @@ class _RingAttention(torch.autograd.Function):
         q_ranges, output = shape.ranges(shape.rank), _output_grad(grad, out, lse)
         dq = torch.zeros_like(q, dtype=lse.dtype)
         kv = torch.cat([k, v], dim=-1)
-        dkv: Tensor | None = None  # the gradient of the block held, travelling one hop behind it
+        mine = torch.zeros_like(kv, dtype=lse.dtype)  # this rank's gradient of the block it holds
+        dkv = mine  # the gradient of the block held, from every rank it visited; travels one hop behind it
         kv_hop, dkv_hop = Pending(), Pending()
         for step in range(shape.cp):
             incoming = send_to_next(kv, shape.group, kv_hop, tag=_KV) if step < shape.cp - 1 else None
             k_ranges = shape.ranges((shape.rank - step) % shape.cp)
-            grads = None
-            if attends(q_ranges, k_ranges, causal=shape.causal):
-                block_k, block_v = _kv_blocks(kv, k.shape[-1], q.shape[1])
-                grads = attend_backward(q, q_ranges, block_k, block_v, k_ranges, output, **shape.options)
-                dq += grads[0]
+            computed = attends(q_ranges, k_ranges, causal=shape.causal)
+            if computed:
+                _backward_into(q, q_ranges, kv, k_ranges, output, dq, mine, shape, k_dims=(k.shape[1], k.shape[-1]))
             dkv_hop.wait()  # the previous rank's gradient of this block arrived while this one's was computed
-            if dkv is None:
-                dkv = torch.zeros_like(kv, dtype=lse.dtype)
-            if grads is not None:
-                dkv += torch.cat([_fold(grads[1], k.shape[1]), _fold(grads[2], v.shape[1])], dim=-1)
+            if step > 0 and computed:
+                dkv += mine
             # The block moves on to the next rank with its gradient so far; after cp moves each is home.
-            dkv = send_to_next(dkv, shape.group, dkv_hop, tag=_DKV)
+            sent, dkv = dkv, send_to_next(dkv, shape.group, dkv_hop, tag=_DKV)
+            if sent is mine:  # in flight: the next steps need a buffer of their own
+                mine = torch.zeros_like(mine)
             kv_hop.wait()
             kv = incoming
         dkv_hop.wait()
-        assert dkv is not None
         dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _backward_into(
+    q: Tensor,
+    q_ranges: list[Range],
+    kv: Tensor,
+    k_ranges: list[Range],
+    output: OutputGrad,
+    dq: Tensor,
+    dkv: Tensor,
+    shape: _Shape,
+    *,
+    k_dims: tuple[int, int],
+) -> None:
+    """Add this block's gradients into ``dq`` and ``dkv`` (zeroed first: it holds one block's gradient); grouped
+    key/value heads get their gradients summed from the query heads'."""
+    (k_heads, k_dim), heads = k_dims, q.shape[1]
+    block_k, block_v = _kv_blocks(kv, k_dim, heads)
+    dkv.zero_()
+    dk, dv = dkv.split([k_dim, dkv.shape[-1] - k_dim], dim=-1)
+    if k_heads == heads:
+        attend_backward(q, q_ranges, block_k, block_v, k_ranges, output, (dq, dk, dv), **shape.options)
+        return
+    dk_heads, dv_heads = torch.zeros_like(block_k, dtype=dq.dtype), torch.zeros_like(block_v, dtype=dq.dtype)
+    attend_backward(q, q_ranges, block_k, block_v, k_ranges, output, (dq, dk_heads, dv_heads), **shape.options)
+    dk += _fold(dk_heads, k_heads)
+    dv += _fold(dv_heads, k_heads)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -233,20 +258,19 @@ class _AllGatherAttention(torch.autograd.Function):
         merged = finish(attend(q, q_ranges, full_k, full_v, k_ranges, acc, **shape.options))
         out = sdpa_layout(merged.out, q.dtype)
         ctx.save_for_backward(q, kv, out, merged.lse)  # the whole sequence's K/V: no second gather
-        ctx.shape, ctx.dims = shape, (k.shape[1], k.shape[-1], v.shape[1])
+        ctx.shape, ctx.k_dims = shape, (k.shape[1], k.shape[-1])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, kv, out, lse = ctx.saved_tensors
         shape: _Shape = ctx.shape
-        k_heads, k_dim, v_heads = ctx.dims
-        full_k, full_v = _kv_blocks(kv, k_dim, q.shape[1])
+        k_dim = ctx.k_dims[1]
         q_ranges, k_ranges = shape.ranges(shape.rank), sorted(shape.all_ranges())
-        output = _output_grad(grad, out, lse)
-        dq, dk, dv = attend_backward(q, q_ranges, full_k, full_v, k_ranges, output, **shape.options)
-        dkv = shape.in_rank_order(torch.cat([_fold(dk, k_heads), _fold(dv, v_heads)], dim=-1))
-        dkv = reduce_scatter_along(dkv, shape.group, dim=-2)
+        output, dq = _output_grad(grad, out, lse), torch.zeros_like(q, dtype=lse.dtype)
+        dkv = torch.zeros_like(kv, dtype=lse.dtype)
+        _backward_into(q, q_ranges, kv, k_ranges, output, dq, dkv, shape, k_dims=ctx.k_dims)
+        dkv = reduce_scatter_along(shape.in_rank_order(dkv), shape.group, dim=-2)
         dk, dv = dkv.split([k_dim, dkv.shape[-1] - k_dim], dim=-1)
         return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None
 

@@ -168,19 +168,18 @@ def attend_backward(
     v: Tensor,
     k_ranges: list[Range],
     output: OutputGrad,
+    grads: tuple[Tensor, Tensor, Tensor],
     *,
     causal: bool,
     scale: float,
     kernel: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv), summed in fp32, of the merged attention's output through the key chunks of
-    ``k``/``v`` (shapes as in :func:`attend`)."""
-    dtype = accumulation_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+) -> None:
+    """Add into ``grads`` (dq, dk, dv: fp32, shaped as q, k and v) the gradients of the merged attention's output
+    through the key chunks of ``k``/``v`` (shapes as in :func:`attend`); adding in place keeps no per-block copies."""
     qo, ko = _offsets(q_ranges), _offsets(k_ranges)
     for call in plan(q_ranges, k_ranges, causal=causal):
         rows, keys = slice(qo[call.q_first], qo[call.q_end]), slice(ko[call.k_first], ko[call.k_end])
-        grads = block_backward(
+        block = block_backward(
             kernel,
             output.grad[..., rows, :],
             q[..., rows, :],
@@ -191,7 +190,6 @@ def attend_backward(
             causal=call.causal,
             scale=scale,
         )
-        dq[..., rows, :] += grads[0]
-        dk[..., keys, :] += grads[1]
-        dv[..., keys, :] += grads[2]
-    return dq, dk, dv
+        grads[0][..., rows, :] += block[0]
+        grads[1][..., keys, :] += block[1]
+        grads[2][..., keys, :] += block[2]
