@@ -22,6 +22,7 @@ backward, AdamW step. Interleaved ABBA, medians of step times after warm-up; the
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ MODEL = GPTConfig(block_size=1024, n_layer=2, n_head=4, n_embd=128)
 BATCH, WARMUP = 2, 2
 ONE = "one process"
 MODES = ["ring/zigzag", "allgather/zigzag", "ulysses/zigzag"]
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 SPENT = [0.0]  # CPU seconds inside the block kernels on this rank
 _forward, _backward = blocks.block_forward, blocks.block_backward
 
@@ -109,11 +111,15 @@ def _peak_memory(shape: tuple[int, ...], mode: str | None) -> int:
     cp, rank = dist.get_world_size(), dist.get_rank()
     if mode is None and rank > 0:
         return 0
+    # A fixed mmap threshold: every large tensor is its own mapping, returned when freed, so the resident set follows
+    # the live tensors (glibc's adaptive threshold would keep freed 16 MiB blocks in the heap and count them).
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 16)
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     before = _status("VmRSS")
-    q = torch.randn(shape) if mode is None else shard_sequence(torch.randn(shape), cp, rank, dim=2)
-    tensors = [q.clone().requires_grad_() for _ in range(3)]
-    del q
+    local = shape if mode is None else (*shape[:2], shape[2] // cp, shape[3])
+    tensors = [torch.randn(local).requires_grad_() for _ in range(3)]
     if mode is None:
         F.scaled_dot_product_attention(*tensors, is_causal=True).sum().backward()
     else:
