@@ -3,6 +3,7 @@ forward's output and log-sum-exp, each block's backward under a merged softmax, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from attention_reference import block_attention, block_backward
 
@@ -70,3 +71,15 @@ def test_each_ring_step_is_one_call_and_allgather_a_few() -> None:
         Call(1, 2, 0, 2, False),
         Call(1, 2, 2, 3, True),
     ]
+
+
+@pytest.mark.parametrize("name", ["flash", "efficient", "cudnn"])
+def test_cuda_ops_take_these_arguments(name: str) -> None:
+    # The CUDA ops cannot run here; their meta kernels check the argument lists and give the shapes (the efficient
+    # op pads its log-sum-exp to 64 rows for 40 queries, cuDNN's has a trailing 1: both come back (B, H, Lq)).
+    q, k = (torch.empty(2, 4, length, 64, device="meta", dtype=torch.bfloat16) for length in (40, 72))
+    for keys, causal in ((k, False), (q, True)):
+        out, lse = block_forward(name, q, keys, keys, causal=causal, scale=SCALE)
+        assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+        grads = fused_backward(name, out, q, keys, keys, out, lse, causal=causal, scale=SCALE)
+        assert [g.shape for g in grads] == [q.shape, keys.shape, keys.shape]
