@@ -27,7 +27,6 @@ from torch.nn.attention import SDPBackend
 from lightscale.errors import ConfigurationError
 
 aten = torch.ops.aten
-KERNELS: tuple[str, ...] = ("flash_cpu", "flash", "efficient", "cudnn")
 _BY_BACKEND = {
     SDPBackend.FLASH_ATTENTION: "flash",
     SDPBackend.EFFICIENT_ATTENTION: "efficient",
