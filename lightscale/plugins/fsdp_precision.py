@@ -101,16 +101,17 @@ class Float8Precision(_ShardedClipping, MixedPrecision):
     after each optimizer step the float8 scales of FSDP-sharded weights are computed in one all-reduce.
 
     ``precision="float8"`` (tensorwise) or ``"float8-rowwise"`` on the Trainer makes one for CUDA; pass an instance
-    with ``emulate=True`` to run torchao's emulation on CPU.
+    with ``emulate=True`` to run torchao's emulation on CPU. ``device`` (autocast's, where FSDP does not cast)
+    defaults to CUDA when there is one, else CPU.
 
     Example:
         >>> lightscale.Trainer(strategy="fsdp2", accelerator="cpu", plugins=[Float8Precision("float8", emulate=True)])
     """
 
-    def __init__(self, name: str = "float8", device: str = "cuda", *, emulate: bool = False) -> None:
+    def __init__(self, name: str = "float8", device: str | None = None, *, emulate: bool = False) -> None:
         if name not in FLOAT8:
             raise ConfigurationError(f"Float8Precision name={name!r} is not valid; choose one of {', '.join(FLOAT8)}.")
-        super().__init__("bf16-mixed", device)
+        super().__init__("bf16-mixed", device or ("cuda" if torch.cuda.is_available() else "cpu"))  # autocast's
         self.name = name
         self.float8 = Float8Options(recipe=FLOAT8[name], emulate=emulate)  # type: ignore[arg-type]
         self.autocast = False  # parallel_3d sets it where FSDP does not cast (tp or pp without data parallelism)
