@@ -1,7 +1,8 @@
 """The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
 process group, collective timeout, failure watcher, collectives).
 
-What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and
+What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
+each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
 checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
 checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
 teardown.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -51,6 +52,8 @@ from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
+from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
@@ -72,6 +75,10 @@ class LightscaleStrategy(ProcessStrategy):
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
     CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
     ``save_checkpoint`` (the portable layout).
+
+    ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
+    same batch; their batches are compared at the first training step and every that many steps after
+    (lightscale/parallel/batch_agreement.py), and a mismatch stops the run on every rank. ``None`` turns it off.
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
@@ -116,8 +123,10 @@ class LightscaleStrategy(ProcessStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         async_save: bool = False,
         checkpoint_format: str = "dcp",
+        check_batches_every: int | None = DEFAULT_EVERY,
     ) -> None:
         check_checkpoint_format(type(self), checkpoint_format)
+        check_every(check_batches_every)
         self.checkpoint_format = checkpoint_format
         super().__init__(
             accelerator=accelerator,
@@ -134,6 +143,8 @@ class LightscaleStrategy(ProcessStrategy):
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
+        self.check_batches_every = check_batches_every
+        self._batch_agreement: BatchAgreement | None = None  # with the layout, at setup_environment
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
         """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
@@ -197,9 +208,21 @@ class LightscaleStrategy(ProcessStrategy):
         """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
 
     @override
+    def set_world_ranks(self) -> None:
+        """Ranks, then this rank's data shard published for ``lightscale.data_shard()`` (and every DataLoader worker,
+        which inherits it): the Trainer's constructor calls this, so a dataset built between ``Trainer(...)`` and
+        ``fit`` reads its shard too; ``setup_environment`` calls it again."""
+        super().set_world_ranks()
+        with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
+            dims = self.parallel_dims(self.world_size)
+            shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+            publish_data_shard(shard, rank=self.global_rank, world_size=self.world_size)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        self._batch_agreement = BatchAgreement(self._dims, every=self.check_batches_every)
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
@@ -380,6 +403,8 @@ class LightscaleStrategy(ProcessStrategy):
         states, self._saved_rng_states = self._saved_rng_states, None
         if states is not None:
             restore_rng_states(states)
+        if self._batch_agreement is not None:  # collective on checked steps: the batch as the step will get it
+            self._batch_agreement.maybe_check(batch, device=self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
