@@ -217,9 +217,11 @@ def test_logger_holds_the_step_wise_learning_rate_and_metrics(runs: dict[str, An
     assert any(row.get("val_acc") for row in rows) and any(row.get("train_loss") for row in rows)
 
 
-# Found here, not fixed: differs from the first step on, at world size 1 too, with equal initial weights. Suspected:
-# FSDP2 writes the sharded gradients in the root's post-backward, tied to the root forward's outputs; lightscale runs
-# training_step inside the root forward (forward redirection), so a manual backward and step run inside it.
+# Found here, not fixed: differs from the first step on, at world size 1 too, with equal initial weights. Inside
+# training_step (run inside the FSDP root's forward by the forward redirection) the module holds the unsharded plain
+# Parameters and a manual backward leaves its gradients there (seen: discriminator.weight is a Parameter with a grad
+# after manual_backward), while the optimizer steps the sharded DTensors, whose gradients FSDP2 writes only in its
+# post-backward, tied to the root forward's outputs.
 FSDP2_MANUAL_BUG = "fsdp2 + manual optimization with two optimizers differs from one process"
 
 
