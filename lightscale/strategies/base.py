@@ -50,6 +50,8 @@ from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
+from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
@@ -66,6 +68,10 @@ class LightscaleStrategy(ProcessStrategy):
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
     CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
     ``save_checkpoint`` (the portable layout).
+
+    ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
+    same batch; their batches are compared at the first training step and every that many steps after
+    (lightscale/parallel/batch_agreement.py), and a mismatch stops the run on every rank. ``None`` turns it off.
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
@@ -106,7 +112,9 @@ class LightscaleStrategy(ProcessStrategy):
         process_group_backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         async_save: bool = False,
+        check_batches_every: int | None = DEFAULT_EVERY,
     ) -> None:
+        check_every(check_batches_every)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -122,6 +130,8 @@ class LightscaleStrategy(ProcessStrategy):
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
+        self.check_batches_every = check_batches_every
+        self._batch_agreement: BatchAgreement | None = None  # with the layout, at setup_environment
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
         """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
@@ -183,6 +193,9 @@ class LightscaleStrategy(ProcessStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        # Before any DataLoader (and its workers, which inherit it) exists: lightscale.data_shard() reads it.
+        publish_data_shard(DataShard(self._dims.data_rank(self.global_rank), self._dims.data_shards))
+        self._batch_agreement = BatchAgreement(self._dims, every=self.check_batches_every)
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
@@ -334,6 +347,8 @@ class LightscaleStrategy(ProcessStrategy):
         states, self._saved_rng_states = self._saved_rng_states, None
         if states is not None:
             restore_rng_states(states)
+        if self._batch_agreement is not None:  # collective on checked steps: the batch as the step will get it
+            self._batch_agreement.maybe_check(batch, device=self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -226,6 +226,19 @@ def _forward_too_long():
     GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16))(torch.zeros(1, 9, dtype=torch.long))
 
 
+def _batches_disagree():
+    from lightscale.parallel.batch_agreement import batch_checksum, check_agreement
+
+    dims = _dims(world_size=4, tp=2, pp=2)  # one data shard; each rank read its own batch, as by get_rank()
+    batches = [torch.full((2, 8), float(rank)) for rank in range(4)]
+    check_agreement(torch.stack([batch_checksum(batch) for batch in batches]), dims, step=0)
+
+
+def _bad_data_shard_env():
+    with mock.patch.dict(os.environ, LIGHTSCALE_DATA_SHARD_INDEX="4", LIGHTSCALE_DATA_SHARD_COUNT="4"):
+        _lightscale().data_shard()
+
+
 def _mb_split(batch, microbatches):
     from lightscale.parallel.pipeline import check_microbatch_split
 
@@ -572,6 +585,14 @@ CATALOGUE: list[tuple] = [
     ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
      lambda: _diloco(mode="local_sgd", compression="int8"), CE,
      r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
+    ("batch-check-every", "check_batches_every below 1", lambda: _p3d(tp=2, check_batches_every=0), CE,
+     r"check_batches_every=0 is not valid: use a positive number of training steps.*or None"),
+    ("batches-disagree", "ranks of one data shard (tp, pp) given different batches (a dataset sharded by get_rank())",
+     _batches_disagree, CE,
+     r"ranks \[0, 1\] of a tensor-parallel group \(tp\).*ranks \[0, 2\] of a pipeline-parallel group \(pp\)"
+     r".*lightscale\.data_shard\(\)"),
+    ("data-shard-env", "LIGHTSCALE_DATA_SHARD_INDEX/COUNT set by hand to a non-shard", _bad_data_shard_env, CE,
+     r"LIGHTSCALE_DATA_SHARD_INDEX='4' and LIGHTSCALE_DATA_SHARD_COUNT='4'.*0 <= index < count"),
 ]
 # fmt: on
 
