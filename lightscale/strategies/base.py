@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.loader_state import take_own_loader_state
 from lightscale.checkpoint.rng import restore_rng_states
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
@@ -54,6 +55,7 @@ from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, c
 from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
+from lightscale.strategies.loader_position import maybe_track_trained_position
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
 
@@ -171,15 +173,18 @@ class LightscaleStrategy(ProcessStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
-        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; a stateful
+        stream saves the position of the batches trained (strategies/loader_position.py)."""
         trainer = self.lightning_module.trainer
-        return exactly_once_loader(
+        dataloader = exactly_once_loader(
             dataloader,
             **self.distributed_sampler_kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
             position=position_in_epoch(trainer),
         )
+        # A stream's saved position: the batches trained, not Lightning's look-ahead (strategies/loader_position.py).
+        return maybe_track_trained_position(dataloader, training=trainer.training)
 
     @property
     def trains_short_batches(self) -> bool:
@@ -336,10 +341,12 @@ class LightscaleStrategy(ProcessStrategy):
 
     def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
         """``trainer_state.pt`` of a layout directory (weights-only); when fitting, its random states are kept for
-        the first batch: creating the data iterator after the load draws from torch's RNG."""
+        the first batch (creating the data iterator after the load draws from torch's RNG) and the loader position
+        of this rank's data shard replaces rank 0's."""
         meta = self.checkpoint_io.load_checkpoint(checkpoint_dir / TRAINER_STATE)
         if fitting:
             self._saved_rng_states = saved_rng_states(meta)
+            take_own_loader_state(meta)  # rank 0 wrote the file: each data shard takes its own stream position back
         return meta
 
     @override

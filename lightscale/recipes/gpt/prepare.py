@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lightscale.errors import import_extra
 from lightscale.recipes.gpt.data import ByteTokenizer, Tokenizer, read_corpus
-from lightscale.recipes.gpt.token_files import BPETokenizer, import_extra, read_token_file, write_token_file
+from lightscale.recipes.gpt.token_files import BPETokenizer, read_token_file, write_token_file
 
 LITDATA_CHUNK_TOKENS = 1 << 22  # tokens per litdata chunk file (16 MiB of int32)
 

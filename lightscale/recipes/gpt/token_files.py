@@ -20,13 +20,12 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from lightscale.errors import ConfigurationError
+from lightscale.errors import ConfigurationError, import_extra
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_BYTES = 256 * 4
@@ -141,14 +140,6 @@ class TokenWindows(Dataset):
         start = index * self.block_size
         chunk = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
-
-
-def import_extra(module: str, extra: str) -> Any:
-    """``module``, or an ImportError naming the lightscale extra that installs it."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as err:
-        raise ImportError(f"{module} is not installed; install it with: pip install 'lightscale[{extra}]'") from err
 
 
 class LitdataWindows(Dataset):
