@@ -76,7 +76,7 @@ class StreamData(pl.LightningDataModule):
             return litdata.StreamingDataLoader(lightscale.streams.shard_litdata(stream), batch_size=BATCH)
         if self.kind == "map":  # a map-style dataset: lightscale's sampler shards it, the loader keeps its place
             windows = torch.tensor([window(i) for i in range(SAMPLES)])
-            return torchdata_nodes.StatefulDataLoader(list(zip(*pair(windows))), batch_size=BATCH)
+            return torchdata_nodes.StatefulDataLoader(list(zip(*pair(windows), strict=True)), batch_size=BATCH)
         files = sorted(str(p) for p in self.root.glob("*.parquet"))
         stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         stream = lightscale.streams.shard_hf(stream)
