@@ -27,9 +27,12 @@ import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
 
-# Set by a lightscale strategy in each rank; DataLoader workers inherit them.
+# Set by a lightscale strategy in each rank; DataLoader workers inherit them. The publisher ("rank/world_size" of
+# the process group it was published for) tells a shard inherited from another run's process apart.
 INDEX_VARIABLE = "LIGHTSCALE_DATA_SHARD_INDEX"
 COUNT_VARIABLE = "LIGHTSCALE_DATA_SHARD_COUNT"
+PUBLISHER_VARIABLE = "LIGHTSCALE_DATA_SHARD_PUBLISHER"
+VARIABLES = (INDEX_VARIABLE, COUNT_VARIABLE, PUBLISHER_VARIABLE)
 
 
 class DataShard(NamedTuple):
@@ -46,19 +49,41 @@ def data_shard() -> DataShard:
         >>> index, count = lightscale.data_shard()
         >>> mine = samples[index::count]
     """
+    group = _process_group()
     index, count = os.environ.get(INDEX_VARIABLE), os.environ.get(COUNT_VARIABLE)
-    if index is not None and count is not None:
+    if index is not None and count is not None and _published_for(group):
         return _parsed(index, count)
-    if dist.is_available() and dist.is_initialized():
-        return DataShard(dist.get_rank(), dist.get_world_size())
-    return DataShard(0, 1)
+    return DataShard(*group) if group is not None else DataShard(0, 1)
 
 
-def publish_data_shard(shard: DataShard) -> None:
-    """Make ``shard`` this process's answer to :func:`data_shard`, and that of every process it starts from now on."""
+def publish_data_shard(shard: DataShard, *, rank: int, world_size: int) -> None:
+    """Make ``shard`` the answer to :func:`data_shard` of global ``rank`` of ``world_size``, in this process and every
+    process it starts from now on."""
     if not 0 <= shard.index < shard.count:
         raise ConfigurationError(f"Data shard index {shard.index} is not in range({shard.count}).")
-    os.environ[INDEX_VARIABLE], os.environ[COUNT_VARIABLE] = str(shard.index), str(shard.count)
+    os.environ.update(
+        {INDEX_VARIABLE: str(shard.index), COUNT_VARIABLE: str(shard.count), PUBLISHER_VARIABLE: f"{rank}/{world_size}"}
+    )
+
+
+def forget_data_shard() -> None:
+    """Drop a published shard (a run without a lightscale strategy: the process group's rank is the answer again)."""
+    for name in VARIABLES:
+        os.environ.pop(name, None)
+
+
+def _process_group() -> tuple[int, int] | None:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _published_for(group: tuple[int, int] | None) -> bool:
+    """Whether the published shard is this process group's, not one inherited from a process that published for
+    another (a launcher or test harness that forked this one after its own Trainer ran). Without a process group
+    (a spawned DataLoader worker) it is."""
+    publisher = os.environ.get(PUBLISHER_VARIABLE)
+    return group is None or publisher is None or publisher == f"{group[0]}/{group[1]}"
 
 
 def _parsed(index: str, count: str) -> DataShard:

@@ -1,7 +1,8 @@
 """The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
 process group, collective timeout, failure watcher, collectives).
 
-What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and
+What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
+each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
 checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
 checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
 teardown.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -195,11 +196,20 @@ class LightscaleStrategy(ProcessStrategy):
         """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
 
     @override
+    def set_world_ranks(self) -> None:
+        """Ranks, then this rank's data shard published for ``lightscale.data_shard()`` (and every DataLoader worker,
+        which inherits it): the Trainer's constructor calls this, so a dataset built between ``Trainer(...)`` and
+        ``fit`` reads its shard too; ``setup_environment`` calls it again."""
+        super().set_world_ranks()
+        with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
+            dims = self.parallel_dims(self.world_size)
+            shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+            publish_data_shard(shard, rank=self.global_rank, world_size=self.world_size)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
-        # Before any DataLoader (and its workers, which inherit it) exists: lightscale.data_shard() reads it.
-        publish_data_shard(DataShard(self._dims.data_rank(self.global_rank), self._dims.data_shards))
         self._batch_agreement = BatchAgreement(self._dims, every=self.check_batches_every)
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:

@@ -2,8 +2,9 @@
 
 Sharding by ``torch.distributed.get_rank()`` (what litdata, webdataset and ``split_dataset_by_node`` do) gives the
 two ranks of one data shard different batches under tp / cp / pp: refused at the first step, on every rank, naming
-the ranks, the group and the fix. Sharding by ``lightscale.data_shard()`` (read in a DataLoader worker) trains like
-one process (plain SGD, losses step by step). Under ep2 each rank is its own data shard, so both ways are right.
+the ranks, the group and the fix (also under ep2_tp2 on 4 ranks). Sharding by ``lightscale.data_shard()`` (read in
+a DataLoader worker) trains like one process (plain SGD, losses step by step). Under ep2 each rank is its own data
+shard, so both ways are right.
 """
 
 from __future__ import annotations
@@ -87,18 +88,20 @@ def test_sharding_by_data_shard_trains_like_one_process() -> None:
     assert reference["dense"][-1] < reference["dense"][0]  # it trains: the comparison is not vacuous
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_tp2"])
 def test_sharding_by_rank_is_refused(layout: str) -> None:
-    axis = next(iter(LAYOUTS[layout]))
+    # ep2_tp2 on 4 ranks: 2 data shards (the ep ranks), each read by a tp pair; by rank, each rank reads its own.
+    degrees, ranks = ({"ep": 2, "tp": 2}, 4) if layout == "ep2_tp2" else (LAYOUTS[layout], 2)
+    axis = layout[:2] if layout != "ep2_tp2" else "tp"
     started = time.monotonic()
     with pytest.raises(RankFailed) as error:
-        run_distributed(_fit, Parallel3DStrategy(**LAYOUTS[layout]), by="rank", batch=BATCH, world_size=2)
+        strategy = Parallel3DStrategy(**degrees)
+        run_distributed(_fit, strategy, by="rank", batch=BATCH, moe="ep" in degrees, world_size=ranks, timeout_s=300)
     assert time.monotonic() - started < 120  # stopped, not timed out in a collective
     message = str(error.value)
     assert (
         "ConfigurationError: Ranks that share a data shard were given different batches at training step 0" in message
     )
-    assert (
-        f"ranks [0, 1] of a {dict(tp='tensor', cp='context', pp='pipeline')[axis]}-parallel group ({axis})" in message
-    )
+    group = {"tp": "tensor", "cp": "context", "pp": "pipeline"}[axis]
+    assert f"ranks [0, 1] of a {group}-parallel group ({axis}), data shard 0" in message
     assert "lightscale.data_shard()" in message

@@ -14,15 +14,15 @@ import torch
 import lightscale
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.batch_agreement import BatchAgreement, batch_checksum, disagreements
-from lightscale.parallel.data_shard import COUNT_VARIABLE, INDEX_VARIABLE, publish_data_shard
+from lightscale.parallel.data_shard import COUNT_VARIABLE, INDEX_VARIABLE, VARIABLES, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 
 
 @pytest.fixture
 def clean_env():
     with mock.patch.dict(os.environ):
-        os.environ.pop(INDEX_VARIABLE, None)
-        os.environ.pop(COUNT_VARIABLE, None)
+        for name in VARIABLES:
+            os.environ.pop(name, None)
         yield
 
 
@@ -31,7 +31,7 @@ def test_without_a_strategy_or_process_group_one_shard(clean_env) -> None:
 
 
 def test_published_shard_is_read_here_and_in_a_child_process(clean_env) -> None:
-    publish_data_shard(lightscale.DataShard(3, 4))
+    publish_data_shard(lightscale.DataShard(3, 4), rank=6, world_size=8)
     assert lightscale.data_shard() == (3, 4)
     code = "import lightscale; print(tuple(lightscale.data_shard()))"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -59,7 +59,7 @@ def test_bad_published_values_are_refused(clean_env) -> None:
     with pytest.raises(ConfigurationError, match=r"LIGHTSCALE_DATA_SHARD_INDEX='2'.*0 <= index < count"):
         lightscale.data_shard()
     with pytest.raises(ConfigurationError, match="not in range"):
-        publish_data_shard(lightscale.DataShard(1, 1))
+        publish_data_shard(lightscale.DataShard(1, 1), rank=0, world_size=1)
 
 
 def test_checksum_tells_batches_apart() -> None:
@@ -103,3 +103,37 @@ def test_check_runs_at_the_first_step_and_every_n() -> None:
     with pytest.raises(ConfigurationError, match="check_batches_every=True"):
         BatchAgreement(ParallelDims(world_size=1), every=True)
     assert not BatchAgreement(ParallelDims(world_size=2, tp=2), every=None).needed
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shards"), [("tp2", [(0, 1), (0, 1)]), ("ep2", [(0, 2), (1, 2)]), ("fsdp2", [(0, 2), (1, 2)])]
+)
+def test_the_trainer_publishes_the_shard_when_constructed(clean_env, strategy, shards) -> None:
+    # Each rank as Lightning's launcher starts it (LOCAL_RANK): the shard is known before fit, with no process group.
+    for local_rank, shard in enumerate(shards):
+        with mock.patch.dict(os.environ, LOCAL_RANK=str(local_rank)):
+            lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+            assert lightscale.data_shard() == shard
+
+
+def test_a_shard_published_for_another_process_group_is_not_read(clean_env) -> None:
+    # Published by rank 0 of 2 (say, a harness's parent process), read in a process group of 1 rank: not its own.
+    publish_data_shard(lightscale.DataShard(0, 2), rank=0, world_size=2)
+    with mock.patch("torch.distributed.is_initialized", return_value=True):
+        with (
+            mock.patch("torch.distributed.get_rank", return_value=0),
+            mock.patch("torch.distributed.get_world_size", return_value=1),
+        ):
+            assert lightscale.data_shard() == (0, 1)
+        with (
+            mock.patch("torch.distributed.get_rank", return_value=0),
+            mock.patch("torch.distributed.get_world_size", return_value=2),
+        ):
+            assert lightscale.data_shard() == (0, 2)  # its own (a forked DataLoader worker sees the same group)
+
+
+def test_a_trainer_without_a_lightscale_strategy_forgets_the_shard(clean_env) -> None:
+    lightscale.Trainer(strategy="ep2", accelerator="cpu", devices=2, logger=False)
+    assert lightscale.data_shard() == (0, 2)
+    lightscale.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert lightscale.data_shard() == (0, 1)
