@@ -89,9 +89,11 @@ def test_token_files_train_like_the_text_path(corpus, tmp_path, token_format):
 def test_litdata_directory_reads_litgpt_windows(corpus, tmp_path):
     text, tokenizer = corpus
     prepare_main(["--out", str(tmp_path), "--tokenizer", tokenizer, "--litdata", text])
+    for split in ("train", "val"):  # token files are read first where both exist
+        (tmp_path / f"{split}.bin").rename(tmp_path / f"{split}.tokens")
     data = GPTDataModule(data_dir=str(tmp_path), tokenizer=tokenizer, block_size=32, batch_size=4)
     data.setup("fit")
-    tokens = np.asarray(read_token_file(tmp_path / "train.bin"), dtype=np.int64)
+    tokens = np.asarray(read_token_file(tmp_path / "train.tokens"), dtype=np.int64)
     assert len(data.train_set) == len(tokens) // 33  # windows of block_size + 1, as litgpt reads them
     for i in (0, 7, len(data.train_set) - 1):
         x, y = data.train_set[i]

@@ -193,12 +193,13 @@ def open_token_dir(data_dir: str | Path, *, block_size: int, token_format: str =
     """``{"train": ..., "val": ...}`` windows of a directory of token files or of a litdata-optimized directory.
 
     Token files: ``*train*.bin`` and ``*val*.bin`` (nanoGPT's ``train.bin``/``val.bin``, llm.c's numbered shards),
-    each file cut into its own windows (none spans two files). litdata: ``train/`` and ``val/`` with ``index.json``.
+    each file cut into its own windows (none spans two files). litdata: ``train/`` and ``val/`` with ``index.json``,
+    read where there are no token files.
     """
     root = Path(data_dir)
-    if all((root / split / "index.json").is_file() for split in ("train", "val")):
-        return {split: LitdataWindows(root / split, block_size) for split in ("train", "val")}
     files = {split: sorted(root.glob(f"*{split}*.bin")) for split in ("train", "val")}
+    if not all(files.values()) and all((root / split / "index.json").is_file() for split in ("train", "val")):
+        return {split: LitdataWindows(root / split, block_size) for split in ("train", "val")}
     if not root.is_dir() or not all(files.values()):
         found = sorted(p.name for p in root.iterdir()) if root.is_dir() else "no such directory"
         raise ConfigurationError(
