@@ -184,6 +184,14 @@ def _token_dir(header: tuple[int, int, int] | None = None, *, raw: bytes = b"", 
         GPTDataModule(data_dir=tmp if raw else str(Path(tmp) / "missing"), block_size=8, **kwargs).setup("fit")
 
 
+def _without(module: str, call):
+    """``call()`` as on a machine where the optional ``module`` is not installed."""
+    import sys
+
+    with mock.patch.dict(sys.modules, {module: None}):
+        call()
+
+
 def _vocab_past_model():
     import lightning.pytorch as pl
 
@@ -566,6 +574,15 @@ CATALOGUE: list[tuple] = [
      lambda: _token_dir(raw=b"\0" * 201), CE, r"has 201 bytes, not a whole number of uint16 tokens"),
     ("gpt-token-short", "token file shorter than one window (at setup)", lambda: _token_dir(raw=b"\0" * 10), CE,
      r"train\.bin: 5 tokens cannot fill one window of block_size=8 \(\+1 target\)\. Valid: at least 9 tokens"),
+    ("extra-litdata", "lightscale.streams.shard_litdata without litdata installed",
+     lambda: _without("litdata.utilities.env", lambda: _lightscale().streams.shard_litdata(None)), ImportError,
+     r"litdata\.utilities\.env is not installed; install it with: pip install 'lightscale\[litdata\]'"),
+    ("extra-datasets", "lightscale.streams.shard_hf without Hugging Face datasets installed",
+     lambda: _without("datasets.distributed", lambda: _lightscale().streams.shard_hf(None)), ImportError,
+     r"datasets\.distributed is not installed; install it with: pip install 'lightscale\[data\]'"),
+    ("extra-tokenizers", "GPTDataModule(tokenizer=...) without the tokenizers package",
+     lambda: _without("tokenizers", lambda: _data(tokenizer="tokenizer.json")), ImportError,
+     r"tokenizers is not installed; install it with: pip install 'lightscale\[data\]'"),
     ("gpt-vocab-past-model", "data vocabulary larger than the GPT's vocab_size (at setup)", _vocab_past_model, CE,
      r"vocabulary has 50257 tokens but the model's vocab_size is 256.*vocab_size >= 50257"),
     ("ckpt-other-shape", "resuming a checkpoint of a differently shaped model (keys and shapes named)",
