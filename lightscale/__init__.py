@@ -6,6 +6,7 @@ Example:
 """
 
 from lightscale import streams
+from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.parallel.data_shard import DataShard, data_shard
 from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
@@ -15,3 +16,4 @@ __all__ = ["DataShard", "Trainer", "__version__", "data_shard", "register_strate
 
 register_strategies()
 check_strategy_in_lightning()
+install_lightning_loading()  # Lightning's loaders read lightscale checkpoint directories (checkpoint/lightning_load.py)

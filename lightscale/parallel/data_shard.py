@@ -7,9 +7,10 @@ the *same* samples; only data-parallel and expert-parallel ranks read their own.
 hand-written streams do) gives those ranks different batches, which trains on garbage without an error. So the
 number of data shards is ``dp x ep`` and :func:`data_shard` says which one this process reads.
 
-Every lightscale strategy publishes its shard in this process's environment when it sets up its layout (before any
-DataLoader exists), so DataLoader worker processes - forked or spawned, with no process group of their own -
-inherit it. Without a lightscale strategy the answer is the process group's ``(rank, world_size)``, or ``(0, 1)``.
+Every lightscale strategy publishes its shard in this process's environment when the Trainer is constructed and
+again when ``fit`` sets up (before any DataLoader exists), so DataLoader worker processes - forked or spawned, with
+no process group of their own - inherit it. Without a lightscale strategy the answer is the process group's
+``(rank, world_size)``, or ``(0, 1)``.
 
 Example:
     >>> class Stream(torch.utils.data.IterableDataset):
