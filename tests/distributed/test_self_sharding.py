@@ -90,6 +90,7 @@ def test_sharding_by_data_shard_trains_like_one_process() -> None:
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_tp2"])
 def test_sharding_by_rank_is_refused(layout: str) -> None:
+    # One launch each: a refused run ends its ranks (the failure watcher may end a peer before it raises itself).
     # ep2_tp2 on 4 ranks: 2 data shards (the ep ranks), each read by a tp pair; by rank, each rank reads its own.
     degrees, ranks = ({"ep": 2, "tp": 2}, 4) if layout == "ep2_tp2" else (LAYOUTS[layout], 2)
     axis = layout[:2] if layout != "ep2_tp2" else "tp"
