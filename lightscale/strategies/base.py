@@ -57,7 +57,7 @@ from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
-from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
 
 log = logging.getLogger(__name__)
 # Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
@@ -184,15 +184,19 @@ class LightscaleStrategy(ProcessStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
-        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; its workers
+        seeded by the data shard, so ranks sharing one draw the same augmentations."""
         trainer = self.lightning_module.trainer
-        return exactly_once_loader(
+        kwargs = self.distributed_sampler_kwargs
+        loader = exactly_once_loader(
             dataloader,
-            **self.distributed_sampler_kwargs,
+            **kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
             position=position_in_epoch(trainer),
         )
+        seed_workers_by_data_shard(loader, kwargs["rank"])
+        return loader
 
     @property
     def trains_short_batches(self) -> bool:
