@@ -59,7 +59,7 @@ from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.loader_position import maybe_track_trained_position
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
-from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
 
 log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
@@ -191,18 +191,21 @@ class LightscaleStrategy(ProcessStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
-        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; a stateful
-        stream saves the position of the batches trained (strategies/loader_position.py)."""
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; its workers
+        seeded by the data shard, so ranks sharing one draw the same augmentations; a stateful stream saves the
+        position of the batches trained (strategies/loader_position.py)."""
         trainer = self.lightning_module.trainer
-        dataloader = exactly_once_loader(
+        kwargs = self.distributed_sampler_kwargs
+        loader = exactly_once_loader(
             dataloader,
-            **self.distributed_sampler_kwargs,
+            **kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
             position=position_in_epoch(trainer),
         )
+        seed_workers_by_data_shard(loader, kwargs["rank"])
         # A stream's saved position: the batches trained, not Lightning's look-ahead (strategies/loader_position.py).
-        return maybe_track_trained_position(dataloader, training=trainer.training)
+        return maybe_track_trained_position(loader, training=trainer.training)
 
     @property
     def trains_short_batches(self) -> bool:

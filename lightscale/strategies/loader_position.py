@@ -22,6 +22,9 @@ from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.types import _Stateful
 
 
+_OWN = ("loader", "_states", "_exhausted")
+
+
 class TrainedPosition:
     """Iterates ``loader``; ``state_dict()`` is its state after the batch before the newest one handed out."""
 
@@ -50,6 +53,12 @@ class TrainedPosition:
 
     def __getattr__(self, name: str) -> Any:  # batch_size, dataset, ... as the wrapped loader has them
         return getattr(self.__dict__["loader"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # e.g. Lightning's worker_init_fn: onto the loader
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
 
 
 def maybe_track_trained_position(dataloader: object, *, training: bool) -> object:

@@ -73,6 +73,8 @@ def test_saved_position_is_that_of_the_batches_trained(stop_after: int) -> None:
     iter(fetcher)
     trained = [next(fetcher) for _ in range(stop_after)]
     assert stream.state_dict() == {"handed": stop_after}, trained  # resumed, batch `stop_after` comes next
+    stream.worker_init_fn = print  # what Lightning sets on a loader lands on the wrapped one
+    assert stream.loader.worker_init_fn is print and stream.n == 5
 
 
 def test_sized_or_stateless_loaders_stay_as_they_are() -> None:
