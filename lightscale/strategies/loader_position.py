@@ -21,7 +21,6 @@ from typing import Any
 from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.types import _Stateful
 
-
 _OWN = ("loader", "_states", "_exhausted")
 
 
