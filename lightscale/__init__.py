@@ -5,6 +5,7 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
+from lightscale import streams
 from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.parallel.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
@@ -20,6 +21,7 @@ __all__ = [
     "data_shard",
     "register_strategies",
     "strategy_table",
+    "streams",
 ]
 
 register_strategies()
