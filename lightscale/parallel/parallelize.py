@@ -1,6 +1,7 @@
 """The one way lightscale parallelizes a single-device model: TP -> EP -> activation checkpointing -> compile -> FSDP.
 
-``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
+``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op``, ``parallel_3d`` (each pipeline stage too) and the
+``diloco`` family (inside each worker) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: tensor parallelism
 first (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
 DTensors on the ``ep`` axis; lightscale/parallel/experts.py), then activation checkpointing and compile on the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,6 +41,9 @@ class ParallelizeOptions:
     offload_policy: OffloadPolicy | None = None
     reshard_after_forward: bool = True
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
+    # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
+    # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
+    fsdp_over: Literal["data", "dp_shard", "none"] = "data"
 
 
 def parallelize_model(
@@ -68,7 +73,9 @@ def parallelize_model(
         ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)
-    dp_mesh = data_parallel_mesh(mesh)
+    if options.fsdp_over == "none":
+        return root
+    dp_mesh = mesh["dp_shard"] if options.fsdp_over == "dp_shard" else data_parallel_mesh(mesh)
     if ignored and expert_data_mesh(mesh).size() > 1:
         shard_experts_over_data(moe_layers, mesh, mp_policy=options.mp_policy)
         ignored = set()  # FSDP-managed now: the dense groups below leave them alone

@@ -10,7 +10,8 @@ Validation and checkpoints' ``model.*`` entries see the fp32 global model (light
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,8 +30,10 @@ from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
 from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
-from lightscale.parallel.fsdp import apply_fsdp, no_gradient_sync
+from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
+from lightscale.parallel.fsdp import materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
+from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
@@ -52,6 +55,8 @@ class DiLoCoStrategy(LightscaleStrategy):
             ``overlap_steps`` inner steps.
         compression: the outer wire, ``"none"``, ``"bf16"`` or ``"int8"`` (diloco mode only).
         mode: ``"diloco"`` (outer optimizer on the mean pseudo-gradient) or ``"local_sgd"`` (mean of parameters).
+        activation_checkpointing, compile, meta_init: as for ``fsdp2``, applied inside each worker by the one
+            parallelize path (lightscale/parallel/parallelize.py), whichever the inner strategy.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -82,14 +87,20 @@ class DiLoCoStrategy(LightscaleStrategy):
         overlap_steps: int = 0,
         compression: str = "none",
         mode: str = "diloco",
+        activation_checkpointing: ACMode = "none",
+        compile: bool = False,
+        meta_init: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         _check_settings(workers, inner, outer_lr, outer_momentum)
+        check_ac_mode(activation_checkpointing)
         check_outer_settings(mode, compression)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
+        self._rng_state: dict[str, torch.Tensor] | None = None
         self.reducer: BucketedGradReducer | None = None
         self.outer: OuterSync | None = None
         self._kept_locals: list[torch.Tensor] | None = None
@@ -127,6 +138,17 @@ class DiLoCoStrategy(LightscaleStrategy):
         return self.global_rank % self.dims.dp_shard if self.inner == "fsdp2" else 0
 
     # ---- the model -----------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:  # type: ignore[override]
+        """Modules built in ``configure_model`` land on the meta device, as under ``fsdp2``."""
+        if not self.meta_init:
+            yield
+            return
+        self._rng_state = torch_generator_states()  # materialization replays init from here
+        with torch.device("meta"):
+            yield
+
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
@@ -135,23 +157,37 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
-        """Every rank starts from rank 0's weights; the inner strategy over the worker, OuterSync across workers."""
-        broadcast_module_state(module)
-        mesh = self.device_mesh
-        if self.inner == "fsdp2":
-            self._root = data_parallel_root(module)
-            policy = mp_policy(precision_name(self.precision_plugin), "none")
-            apply_fsdp(self._root, mesh["dp_shard"], units=sharding_units(module), mp_policy=policy)
-        elif self.dims.dp_shard > 1:
-            self.reducer = BucketedGradReducer(module, process_group=mesh["dp_shard"].get_group())
+        """Every rank starts from rank 0's weights; the one parallelize path inside a worker, OuterSync across."""
+        is_meta = any(p.is_meta for p in module.parameters())
+        if not is_meta:
+            module.to(self.root_device)
+        broadcast_module_state(module)  # meta tensors are skipped: materialization replays rank 0's draws
+        sharded = self.inner == "fsdp2"
+        options = ParallelizeOptions(
+            activation_checkpointing=self.activation_checkpointing, compile=self.compile, always_shard=sharded,
+            mp_policy=mp_policy(precision_name(self.precision_plugin), "none") if sharded else None,
+            fsdp_over="dp_shard" if sharded else "none",
+        )  # fmt: skip
+        root = data_parallel_root(module)
+        if sharded:
+            self._root = root
+        parallelize_model(root, self.device_mesh, units=sharding_units(module), options=options)
+        if is_meta:
+            materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
+        if not sharded and self.dims.dp_shard > 1:
+            self.reducer = BucketedGradReducer(module, process_group=self.device_mesh["dp_shard"].get_group())
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self.outer = OuterSync(
-                module.named_parameters(), sync_every=self.schedule.sync_every, group=mesh["dp_replicate"].get_group(),
-                mode=self.mode, outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
-                fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
-                compression=self.compression, broadcast_start=False,
-            )  # fmt: skip
+            self.outer = self._outer_sync(module)
         return module
+
+    def _outer_sync(self, module: nn.Module) -> OuterSync:
+        return OuterSync(
+            module.named_parameters(), sync_every=self.schedule.sync_every,
+            group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode,
+            outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
+            fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
+            compression=self.compression, broadcast_start=False,
+        )  # fmt: skip
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         momentum = self.outer_momentum
@@ -168,9 +204,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
-        if self.inner != "fsdp2":
-            self.model.to(self.root_device)
+        pass  # apply_parallelism places (or materializes) the model, after building on the meta device
 
     # ---- the step ------------------------------------------------------------------------------------------
     @override

@@ -1,0 +1,121 @@
+"""DiLoCo inside a worker and across worker counts: the one parallelize path (meta init, activation checkpointing,
+compile) under both inner strategies, and a checkpoint resumed at another number of workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import quiet_trainer
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightscale.strategies import DiLoCoStrategy
+from lightscale.testing import run_distributed
+
+STEPS = 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0  # forwards run: activation checkpointing runs each a second time in backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tanh(self.linear(x))
+
+
+class BlockNet(pl.LightningModule):
+    """Built in configure_model (the meta device under meta_init), two repeated blocks, SGD with momentum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(256, 8, generator=gen)
+        self.y = self.x.sin().sum(-1, keepdim=True)
+        self.built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        if self.built_on_meta is not None:
+            return
+        torch.manual_seed(0)  # the same draws whichever rank materializes them
+        self.net = nn.Sequential(Block(), Block(), nn.Linear(8, 1))
+        self.built_on_meta = self.net[0].linear.weight.is_meta
+
+    def sharding_units(self) -> list[nn.Module]:
+        return [self.net[0], self.net[1]]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=4)
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.compiled: list[bool] = []
+        self.globals: dict[str, torch.Tensor] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, module: Any) -> None:
+        self.compiled = [unit._compiled_call_impl is not None for unit in module.sharding_units()]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+        self.globals = {name: _full(t) for name, t in trainer.strategy._globals().items()}
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+def _fit(strategy: DiLoCoStrategy, *, steps: int = STEPS, **kwargs: Any) -> dict[str, Any]:
+    module, record = BlockNet(), Record()
+    trainer = quiet_trainer(strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=[record], **kwargs)
+    trainer.fit(module)
+    return {
+        "losses": record.losses, "meta": module.built_on_meta, "calls": [b.calls for b in module.sharding_units()],
+        "compiled": record.compiled, "globals": record.globals,
+    }  # fmt: skip
+
+
+def _inner_paths() -> dict[str, Any]:
+    def diloco(inner: str, **kwargs: Any) -> DiLoCoStrategy:
+        return DiLoCoStrategy(workers=2, inner=inner, sync_every=2, **kwargs)  # type: ignore[arg-type]
+
+    out = {}
+    for inner in ("bucketed_ddp", "fsdp2"):
+        out[inner, "eager"] = _fit(diloco(inner, meta_init=False))
+        out[inner, "meta_ac"] = _fit(diloco(inner, activation_checkpointing="full"))
+        out[inner, "compile"] = _fit(diloco(inner, compile=True), steps=0)  # compiled units: checked, not run
+    return out
+
+
+def test_inner_strategies_go_through_the_parallelize_path() -> None:
+    results = run_distributed(_inner_paths, world_size=4, timeout_s=300)
+    for out in results:
+        for inner in ("bucketed_ddp", "fsdp2"):
+            eager, meta = out[inner, "eager"], out[inner, "meta_ac"]
+            assert eager["meta"] is False and meta["meta"] is True
+            assert eager["calls"] == [STEPS, STEPS] and meta["calls"] == [2 * STEPS, 2 * STEPS]  # recomputed
+            assert meta["losses"] == eager["losses"], inner  # materialized as built for real, bit for bit
+            assert all(torch.equal(meta["globals"][k], v) for k, v in eager["globals"].items())
+            assert out[inner, "compile"]["compiled"] == [True, True]
+    assert results[0]["fsdp2", "eager"]["losses"] == results[0]["bucketed_ddp", "eager"]["losses"]
+    assert results[0]["fsdp2", "eager"]["losses"] != results[2]["fsdp2", "eager"]["losses"]  # workers differ
