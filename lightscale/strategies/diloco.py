@@ -107,13 +107,17 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
-        """The inner layout inside a worker; the fp32 global copy and outer momentum come on top (docs/strategies)."""
+        """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the
+        global copy, the outer momentum (diloco with momentum > 0) and the compression residual."""
         dims = self.parallel_dims(world_size)
         sharded = self.inner == "fsdp2"
+        momentum = self.mode == "diloco" and self.outer_momentum > 0
+        outer = 4 + 4 * momentum + 4 * (self.compression != "none")
         return Layout(
             type(self).__name__, world_size, shard_optimizer=sharded, shard_gradients=sharded,
             shard_parameters=sharded, dp_shard=dims.dp_shard if sharded else 1,
             dp_replicate=dims.dp_replicate if sharded else world_size,
+            activation_checkpointing=self.activation_checkpointing, outer_state_bytes=outer,
         )  # fmt: skip
 
     # ---- layout -------------------------------------------------------------------------------------------
