@@ -20,17 +20,22 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, read_diloco_state
+from lightscale.checkpoint.diloco_state import (
+    diloco_state,
+    like_param,
+    load_diloco_state,
+    load_global_state,
+    read_diloco_state,
+)
 from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
+from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
 from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
-from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.fsdp import materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
@@ -260,13 +265,8 @@ class DiLoCoStrategy(LightscaleStrategy):
     def _globals(self) -> dict[str, torch.Tensor]:
         """The fp32 global model under the module's names; DTensors over the worker's shards when FSDP2 shards."""
         assert self.outer is not None
-        out = {}
-        for param, (name, tensor) in zip(self.outer.params, self.outer.named_globals(), strict=True):
-            if isinstance(param, DTensor):
-                tensor = DTensor.from_local(tensor, param.device_mesh, param.placements, shape=param.shape,
-                                            stride=param.stride(), run_check=False)  # fmt: skip
-            out[name] = tensor
-        return out
+        pairs = zip(self.outer.params, self.outer.named_globals(), strict=True)
+        return {name: like_param(param, tensor) for param, (name, tensor) in pairs}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -275,28 +275,41 @@ class DiLoCoStrategy(LightscaleStrategy):
         path = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(path.parent)
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
-        meta["workers"] = self.dims.dp_replicate
+        meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner == "fsdp2" else 1}
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
         write_checkpoint(path, {"model": self._globals(), "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume (same workers and shards): globals, each worker's own state, the outer state; else the global model
-        loads like any layout's (evaluation, or a checkpoint another strategy wrote)."""
+        """Resume: at the saved workers and shards, exactly (globals, each worker's own state, the outer state); at
+        others, every worker restarts from the global model with the outer state (a fresh inner optimizer). A
+        checkpoint without DiLoCo state loads its model like any layout's (evaluation, another strategy's)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.outer is None or not (path / "trainer_state.pt").is_file():
             return super().load_checkpoint(path, weights_only)
         meta = self.read_trainer_state(path, fitting=True)
         saved = meta.get("diloco")
-        if saved is None or saved["workers"] != self.dims.dp_replicate:
+        if saved is None:
             raise ConfigurationError(
-                f"{path} was not saved by DiLoCo with {self.dims.dp_replicate} workers (saved: "
-                f"{None if saved is None else saved['workers']}); resume with the saved layout, or load its global "
-                f"model into a new run with `lightscale export`."
+                f"{path} was not saved by DiLoCo, so it holds no outer state to resume; load its model into a new run "
+                f"with `lightscale export` (or train on with the strategy that saved it)."
             )
-        tensors = read_diloco_state(path, self._globals(), worker=self.worker, shard=self.shard)
-        load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
-        return {**meta, "optimizer_states": []}
+        shards = self.dims.dp_shard if self.inner == "fsdp2" else 1
+        same = (saved["workers"], saved.get("shards", 1)) == (self.dims.dp_replicate, shards)
+        if not same and saved["pending"]:
+            raise ConfigurationError(
+                f"{path} was saved with {len(saved['pending'])} outer result(s) in flight (overlap_steps > 0), which "
+                f"only the saved layout ({saved['workers']} workers x {saved.get('shards', 1)} shards) can apply; "
+                f"resume it with that layout, or at another number of workers from a checkpoint saved right after "
+                f"a fragment's result landed."
+            )
+        worker = self.worker if same else None
+        tensors = read_diloco_state(path, self.outer, self._globals(), worker=worker, shard=self.shard)
+        if same:
+            load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
+            return {**meta, "optimizer_states": []}
+        load_global_state(self.outer, tensors, saved)
+        return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model
 
     @override
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightscale.checkpoint.diloco_state import like_param
 from lightscale.strategies import DiLoCoStrategy
 from lightscale.testing import run_distributed
 
@@ -119,3 +120,57 @@ def test_inner_strategies_go_through_the_parallelize_path() -> None:
             assert out[inner, "compile"]["compiled"] == [True, True]
     assert results[0]["fsdp2", "eager"]["losses"] == results[0]["bucketed_ddp", "eager"]["losses"]
     assert results[0]["fsdp2", "eager"]["losses"] != results[2]["fsdp2", "eager"]["losses"]  # workers differ
+
+
+class Snapshot(pl.Callback):
+    """The DiLoCo state at the start and at the end of a fit: local parameters, globals, outer momentum, step."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict[str, Any]] = {}
+
+    def _take(self, trainer: pl.Trainer, module: Any) -> dict[str, Any]:
+        outer = trainer.strategy.outer
+        optimizer = outer.fragments[0].optimizer
+        momentum = [optimizer.state[g]["momentum_buffer"] for g in outer.fragments[0].globals]
+        return {
+            "locals": [_full(p) for p in module.parameters()], "step": outer.step,
+            "globals": [_full(t) for t in trainer.strategy._globals().values()],
+            "momentum": [_full(like_param(outer.params[i], m)) for i, m in enumerate(momentum)],
+        }  # fmt: skip
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        if trainer.global_step:  # resumed
+            self.states["start"] = self._take(trainer, module)
+
+    def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+        self.states["end"] = self._take(trainer, module)
+
+
+def _reshape(tmp: str, inner: str) -> dict[str, Any]:
+    def fit(workers: int, steps: int, callbacks: tuple = (), ckpt_path: str | None = None, **kwargs: Any) -> Any:
+        strategy = DiLoCoStrategy(workers=workers, inner=inner, sync_every=2)  # type: ignore[arg-type]
+        snapshot, record = Snapshot(), Record()
+        trainer = quiet_trainer(strategy, devices=4, max_steps=steps, callbacks=[snapshot, record, *callbacks],
+                                **kwargs)  # fmt: skip
+        trainer.fit(BlockNet(), ckpt_path=ckpt_path)
+        return {**snapshot.states, "losses": record.losses}
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp, filename="mid", every_n_train_steps=4, save_top_k=-1)
+    out = {2: fit(2, 4, callbacks=(saver,), enable_checkpointing=True)}
+    for workers in (1, 4):
+        out[workers] = fit(workers, 6, ckpt_path=str(Path(tmp) / "mid.ckpt"))
+    return out
+
+
+@pytest.mark.parametrize("inner", ["bucketed_ddp", "fsdp2"])
+def test_resume_at_another_number_of_workers_restarts_them_from_the_global_model(tmp_path: Path, inner: str) -> None:
+    results = run_distributed(_reshape, str(tmp_path), inner, world_size=4, timeout_s=300)
+    saved = results[0][2]["end"]
+    assert saved["step"] == 4 and all(m.abs().sum() > 0 for m in saved["momentum"])
+    for out in results:
+        for workers in (1, 4):  # 2 workers x 2 ranks -> 1 x 4 and 4 x 1 (FSDP2: resharded 2 -> 4 and 1)
+            start = out[workers]["start"]
+            assert start["step"] == 4 and len(out[workers]["losses"]) == 2
+            for name in ("globals", "momentum"):
+                assert all(torch.equal(a, b) for a, b in zip(start[name], saved[name], strict=True)), (workers, name)
+            assert all(torch.equal(a, b) for a, b in zip(start["locals"], saved["globals"], strict=True))

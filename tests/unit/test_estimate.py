@@ -134,7 +134,6 @@ def test_sizes_parse() -> None:
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40 GB") == 40e9
 
 
-
 @pytest.mark.parametrize(
     ("settings", "extra"),
     [({}, 8), ({"mode": "local_sgd"}, 4), ({"outer_momentum": 0.0}, 4), ({"compression": "int8"}, 12)],
