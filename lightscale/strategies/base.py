@@ -168,8 +168,12 @@ class LightscaleStrategy(ProcessStrategy):
             **self.distributed_sampler_kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
-            position=position_in_epoch(trainer),
+            position=self.data_position() if trainer.training else (-1, 0),
         )
+
+    def data_position(self) -> tuple[int, int]:
+        """(epoch, batches done) the training data starts from: where a resumed fit left off, else ``(-1, 0)``."""
+        return position_in_epoch(self.lightning_module.trainer)
 
     @property
     def trains_short_batches(self) -> bool:

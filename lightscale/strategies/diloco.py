@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -35,7 +38,14 @@ from lightscale.estimate.layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
-from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
+from lightscale.parallel.diloco import (
+    FaultTolerance,
+    FaultTolerantOuterSync,
+    OuterSync,
+    RoundRecord,
+    Schedule,
+    check_outer_settings,
+)
 from lightscale.parallel.fsdp import materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
@@ -62,6 +72,10 @@ class DiLoCoStrategy(LightscaleStrategy):
         mode: ``"diloco"`` (outer optimizer on the mean pseudo-gradient) or ``"local_sgd"`` (mean of parameters).
         activation_checkpointing, compile, meta_init: as for ``fsdp2``, applied inside each worker by the one
             parallelize path (lightscale/parallel/parallelize.py), whichever the inner strategy.
+        fault_tolerant: ``True`` or a :class:`~lightscale.parallel.diloco.FaultTolerance`: this launch is *one*
+            worker (its ranks run the inner strategy) that meets the others through torchft's lighthouse; a worker
+            that dies or hangs drops out of its round, the others go on, and a restarted one heals from a live peer
+            (the ``[ft]`` extra; docs/strategies/diloco.md).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -95,11 +109,14 @@ class DiLoCoStrategy(LightscaleStrategy):
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
         meta_init: bool = True,
+        fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         _check_settings(workers, inner, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
+        self.fault_tolerance = _fault_tolerance(fault_tolerant, workers, fragments, overlap_steps, compression)
+        self.ft: FaultTolerantOuterSync | None = None
         check_outer_settings(mode, compression)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
@@ -129,6 +146,8 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
         workers = self.workers or (self.num_nodes if self.num_nodes > 1 else world_size)
+        if self.fault_tolerance is not None:
+            workers = 1  # this launch is one worker; the others are launches of their own
         if world_size % workers:
             valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ConfigurationError(
@@ -136,6 +155,32 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"of ranks. Choose workers from {valid}."
             )
         return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Fault-tolerant workers with ``data_shards`` read their own part of the dataset, split over their ranks."""
+        kwargs = super().distributed_sampler_kwargs
+        ft = self.fault_tolerance
+        if ft is None or ft.data_shards is None:
+            return kwargs
+        ranks = kwargs["num_replicas"]
+        return {"num_replicas": ft.data_shards * ranks, "rank": ft.data_part() * ranks + kwargs["rank"]}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self.ft is not None and self.lightning_module.trainer.training:
+            # The first round's quorum, before the data is set up: a restarted worker heals here (from a live peer)
+            # and reads its data on from the peers' step.
+            self.ft.before_inner_step()
+        return super().process_dataloader(dataloader)
+
+    @override
+    def data_position(self) -> tuple[int, int]:
+        trainer = self.lightning_module.trainer
+        if self.ft is None or not self.ft.heals:
+            return super().data_position()
+        return trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches  # as its peers, this epoch
 
     @property
     def worker(self) -> int:
@@ -190,6 +235,16 @@ class DiLoCoStrategy(LightscaleStrategy):
         return module
 
     def _outer_sync(self, module: nn.Module) -> OuterSync:
+        ft = self.fault_tolerance
+        if ft is not None:
+            self.ft = FaultTolerantOuterSync(
+                module.named_parameters(), sync_every=self.schedule.sync_every, replica_id=ft.resolved_replica_id(),
+                min_replicas=ft.min_replicas, lighthouse_addr=ft.lighthouse, mode=self.mode,
+                outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
+                timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                on_round=self._log_round, group=dist.group.WORLD if self.world_size > 1 else None,
+            )  # fmt: skip
+            return self.ft.sync
         return OuterSync(
             module.named_parameters(), sync_every=self.schedule.sync_every,
             group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode,
@@ -215,7 +270,18 @@ class DiLoCoStrategy(LightscaleStrategy):
     def model_to_device(self) -> None:
         pass  # apply_parallelism places (or materializes) the model, after building on the meta device
 
+    def _log_round(self, record: RoundRecord, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
+        outcome = "committed" if record.committed else "dropped (a worker of the round failed)"
+        rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, "
+                       f"{record.participants} worker(s)")  # fmt: skip
+
     # ---- the step ------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.ft is not None:
+            self.ft.before_inner_step()  # a round's first step waits for its quorum (and heals a worker behind)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.reducer is not None:
@@ -234,6 +300,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
+        trainer = self.lightning_module.trainer
+        if self.ft is not None and 0 < trainer.max_steps <= self.outer.step:
+            trainer.should_stop = True  # a healed worker counts the peers' steps, not its own since its restart
         return result
 
     @override
@@ -276,6 +345,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         self.check_checkpoint_dir(path.parent)
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
         meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner == "fsdp2" else 1}
+        if self.ft is not None:
+            meta["ft_rounds"] = self.ft.manager.current_step()
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
         write_checkpoint(path, {"model": self._globals(), "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
@@ -307,6 +378,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         tensors = read_diloco_state(path, self.outer, self._globals(), worker=worker, shard=self.shard)
         if same:
             load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
+            if self.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
+                self.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
             return {**meta, "optimizer_states": []}
         load_global_state(self.outer, tensors, saved)
         return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model
@@ -316,6 +389,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.ft is not None:
+            self.ft.shutdown()
+            self.ft = None
         self.outer = None
         super().teardown()
 
@@ -332,3 +408,27 @@ def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_mome
         raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (the DiLoCo paper uses 0.7).")
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
         raise ConfigurationError(f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (paper: 0.9).")
+
+
+def _fault_tolerance(
+    fault_tolerant: FaultTolerance | bool, workers: int | None, fragments: int, overlap_steps: int, compression: str
+) -> FaultTolerance | None:
+    if fault_tolerant is False:
+        return None
+    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
+    if not isinstance(ft, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
+        )
+    if workers not in (None, 1):
+        raise ConfigurationError(
+            f"workers={workers} cannot be set with fault_tolerant: each fault-tolerant worker is a launch of its own "
+            f"(its devices x nodes ranks), and the workers meet at the lighthouse. Leave workers unset."
+        )
+    if fragments != 1 or overlap_steps != 0 or compression != "none":
+        raise ConfigurationError(
+            f"fault_tolerant DiLoCo averages one fp32 payload per round at once; it needs fragments=1, "
+            f"overlap_steps=0 and compression='none', not fragments={fragments}, overlap_steps={overlap_steps}, "
+            f"compression={compression!r}."
+        )
+    return ft
