@@ -168,7 +168,7 @@ def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
         workers[FROZEN].send_signal(signal.SIGSTOP)  # alive, holding its sockets, silent
         times["frozen"] = time.monotonic()
         last = max(e["round"] for e in rounds())
-        _wait_for(lambda: rounds(committed=True, participants=2, round=last + 2), "the round after the freeze", deadline)
+        _wait_for(lambda: rounds(committed=True, participants=2, round=last + 2), "the freeze dropped", deadline)
         times["dropped"] = time.monotonic()
         (tmp_path / "stop_at").write_text(str(last + 4))
         for proc in (workers[0], restarted):
