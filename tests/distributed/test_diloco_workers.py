@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint.diloco_state import like_param
+from lightscale.errors import ConfigurationError
 from lightscale.strategies import DiLoCoStrategy
 from lightscale.testing import run_distributed
 
@@ -160,6 +161,22 @@ def _reshape(tmp: str, inner: str) -> dict[str, Any]:
     for workers in (1, 4):
         out[workers] = fit(workers, 6, ckpt_path=str(Path(tmp) / "mid.ckpt"))
     return out
+
+
+def _in_flight(tmp: str) -> str:
+    def strategy(workers: int) -> DiLoCoStrategy:
+        return DiLoCoStrategy(workers=workers, sync_every=2, fragments=2, overlap_steps=1)
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp, filename="odd", every_n_train_steps=3, save_top_k=-1)
+    quiet_trainer(strategy(2), devices=4, max_steps=3, callbacks=[saver], enable_checkpointing=True).fit(BlockNet())
+    with pytest.raises(ConfigurationError) as refused:  # every rank refuses alike: none waits for another
+        quiet_trainer(strategy(4), devices=4, max_steps=4).fit(BlockNet(), ckpt_path=str(Path(tmp) / "odd.ckpt"))
+    return str(refused.value)
+
+
+def test_resume_at_another_number_of_workers_refuses_results_in_flight(tmp_path: Path) -> None:
+    message = run_distributed(_in_flight, str(tmp_path), world_size=4, timeout_s=300)[0]
+    assert "saved with 1 outer result(s) in flight" in message and "2 workers x 1 shards" in message
 
 
 @pytest.mark.parametrize("inner", ["bucketed_ddp", "fsdp2"])
