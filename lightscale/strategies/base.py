@@ -168,12 +168,8 @@ class LightscaleStrategy(ProcessStrategy):
             **self.distributed_sampler_kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
-            position=self.data_position() if trainer.training else (-1, 0),
+            position=position_in_epoch(trainer),
         )
-
-    def data_position(self) -> tuple[int, int]:
-        """(epoch, batches done) the training data starts from: where a resumed fit left off, else ``(-1, 0)``."""
-        return position_in_epoch(self.lightning_module.trainer)
 
     @property
     def trains_short_batches(self) -> bool:

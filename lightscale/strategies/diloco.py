@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -169,18 +169,22 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self.ft is not None and self.lightning_module.trainer.training:
-            # The first round's quorum, before the data is set up: a restarted worker heals here (from a live peer)
-            # and reads its data on from the peers' step.
-            self.ft.before_inner_step()
-        return super().process_dataloader(dataloader)
-
-    @override
-    def data_position(self) -> tuple[int, int]:
+        """A fault-tolerant worker's first quorum runs here, before its data is read: a restarted worker heals from
+        a live peer and its sampler (one with ``resume_from(epoch, batches)``, as lightscale's) reads on from the
+        peers' step within the epoch."""
+        loader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
-        if self.ft is None or not self.ft.heals:
-            return super().data_position()
-        return trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches  # as its peers, this epoch
+        if self.ft is None or not trainer.training:
+            return loader
+        heals = self.ft.heals
+        self.ft.before_inner_step()
+        sampler = getattr(loader, "sampler", None)
+        if self.ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
+            sampler.resume_from(trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches)
+        elif self.ft.heals > heals:
+            rank_zero_warn(f"This worker healed to step {self.outer.step} but its sampler ({type(sampler).__name__}) "
+                           f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
+        return loader
 
     @property
     def worker(self) -> int:
