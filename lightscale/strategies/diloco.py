@@ -37,7 +37,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, sharding_units
-from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
+from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state, broadcast_tensors
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
@@ -178,6 +178,12 @@ class DiLoCoStrategy(LightscaleStrategy):
             return loader
         heals = self.ft.heals
         self.ft.before_inner_step()
+        if self.reducer is not None:
+            # torchft heals each rank from the same rank of some peer; at the start the peers still differ, so the
+            # worker's replicas take its rank 0's (later, every up-to-date peer holds the same state).
+            group = self.device_mesh["dp_shard"].get_group()
+            broadcast_module_state(self.model, process_group=group)
+            broadcast_tensors([tensor for _, tensor in self.outer.named_globals()], process_group=group)
         sampler = getattr(loader, "sampler", None)
         if self.ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
             sampler.resume_from(trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches)
