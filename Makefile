@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench soak lint format clean gpu-wheels gpu-check
+.PHONY: venv demo test bench bench-diloco soak lint format clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+# Hours on CPU, outside `make bench`: DiLoCo's outer lr x momentum x H on the small GPT against DDP and local SGD.
+bench-diloco: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sweep_diloco.py
 
 # Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
 soak: $(STAMP)
