@@ -6,6 +6,8 @@ the worker's ranks); the layout is ``ParallelDims(dp_replicate=workers, dp_shard
 :class:`~lightscale.parallel.diloco.OuterSync` averages the pseudo-gradients (or, for ``local_sgd``, the parameters)
 over the ``dp_replicate`` group of each shard position. Every rank reads its own data shard (dp = workers x inner).
 Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/checkpoint/diloco_state.py).
+With ``fault_tolerant=`` the launch is one worker and :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`
+meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others.
 """
 
 from __future__ import annotations
