@@ -45,8 +45,6 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
     from lightscale.strategies import DiLoCoStrategy
 
     flags = Path(log_path).parent
-    while wait_for is not None and not (flags / wait_for).exists():  # imported already: the test times the rejoin
-        time.sleep(0.02)
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 - one line per event, flushed at once
 
     def write(event: str, **fields: Any) -> None:
@@ -81,6 +79,12 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
             return DataLoader(TensorDataset(torch.arange(SAMPLES), self.x, self.y), batch_size=BATCH)
 
     class Events(pl.Callback):
+        def setup(self, trainer: pl.Trainer, module: Any, stage: str) -> None:
+            # A replacement waits here: started, its ranks launched and connected, but no torchft manager yet (the
+            # strategy makes it next), so that the test times the rejoin, not Python's start-up.
+            while wait_for is not None and not (flags / wait_for).exists():
+                time.sleep(0.02)
+
         def on_fit_start(self, trainer: pl.Trainer, module: Any) -> None:
             def on_round(record: Any, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
                 write("round", **record.__dict__, payload=payload.tolist(),
