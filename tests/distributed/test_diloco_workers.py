@@ -137,6 +137,7 @@ class Snapshot(pl.Callback):
             "locals": [_full(p) for p in module.parameters()], "step": outer.step,
             "globals": [_full(t) for t in trainer.strategy._globals().values()],
             "momentum": [_full(like_param(outer.params[i], m)) for i, m in enumerate(momentum)],
+            "rounds": None if trainer.strategy.ft is None else trainer.strategy.ft.rounds_committed,
         }  # fmt: skip
 
     def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
@@ -191,3 +192,40 @@ def test_resume_at_another_number_of_workers_restarts_them_from_the_global_model
             for name in ("globals", "momentum"):
                 assert all(torch.equal(a, b) for a, b in zip(start[name], saved[name], strict=True)), (workers, name)
             assert all(torch.equal(a, b) for a, b in zip(start["locals"], saved["globals"], strict=True))
+
+
+def _ft_resume(tmp: str) -> dict[str, Any]:
+    """One fault-tolerant worker (its own lighthouse, min_replicas=1): 8 steps at once, and 5 + resume="auto" to 8."""
+    import lightscale
+    from lightscale.parallel.diloco import FaultTolerance
+    from lightscale.parallel.diloco.lighthouse import start_lighthouse
+
+    server, address = start_lighthouse(min_replicas=1)
+    out: dict[str, Any] = {}
+    try:
+        for name, steps in (("whole", 8), ("first", 5), ("resumed", 8)):
+            ft = FaultTolerance(replica_id="worker_0", min_replicas=1, lighthouse=address)
+            strategy = DiLoCoStrategy(sync_every=2, fault_tolerant=ft)
+            directory = Path(tmp) / ("whole" if name == "whole" else "parts")
+            saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1)
+            snapshot, record = Snapshot(), Record()
+            trainer = lightscale.Trainer(
+                strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, resume="auto",
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                callbacks=[saver, snapshot, record],
+            )  # fmt: skip
+            trainer.fit(BlockNet())
+            out[name] = {**snapshot.states, "losses": record.losses}
+    finally:
+        server.shutdown()
+    return out
+
+
+def test_a_fault_tolerant_worker_checkpoints_and_resumes_auto(tmp_path: Path) -> None:
+    out = run_distributed(_ft_resume, str(tmp_path), world_size=1, timeout_s=300)[0]
+    whole, first, resumed = out["whole"], out["first"], out["resumed"]
+    assert resumed["start"]["step"] == 5 and first["losses"] + resumed["losses"] == whole["losses"]
+    for name in ("locals", "globals", "momentum"):
+        assert all(torch.equal(a, b) for a, b in zip(resumed["end"][name], whole["end"][name], strict=True)), name
+    rounds = [first["end"]["rounds"], resumed["start"]["rounds"], resumed["end"]["rounds"], whole["end"]["rounds"]]
+    assert rounds == [2, 2, 4, 4]  # torchft's count of committed rounds is saved and restored
