@@ -1,5 +1,5 @@
 """The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI) and strategies, export, schedule,
-estimate, plan, doctor, convert.
+estimate, plan, doctor, convert, consolidate.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -29,6 +29,7 @@ from lightscale.checkpoint.convert import (
     read_model_state,
     write_model_state,
 )
+from lightscale.commands.consolidate import consolidate_command
 from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
@@ -201,6 +202,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "estimate": lambda args: estimate_command(resolve_config_args(args)),
     "plan": lambda args: plan_command(resolve_config_args(args)),
     "convert": convert_command,
+    "consolidate": consolidate_command,
 }
 
 

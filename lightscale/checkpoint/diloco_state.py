@@ -24,8 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightscale.checkpoint.layout import read_checkpoint
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader
+from lightscale.checkpoint.layout import layout_entries, read_checkpoint
 from lightscale.parallel.diloco import OuterSync
 
 _PREFIX = "diloco."
@@ -84,7 +83,7 @@ def read_diloco_state(
 ) -> dict[str, Tensor]:
     """Collectively fill ``globals_`` (the ``model`` entries) and return this rank's ``diloco`` tensors of ``path``:
     the outer state, and (``worker`` not None) this worker's own."""
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = layout_entries(path)
     mine = (f"w{worker}.s{shard}.", f"s{shard}.") if worker is not None else ()
     by_name = {name: i for i, name in enumerate(sync.names)}
     template: dict[str, Tensor] = {}
