@@ -12,6 +12,7 @@ meets the other launches through torchft: a worker may die, hang or rejoin witho
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -458,6 +459,8 @@ def _fault_tolerance(
 ) -> FaultTolerance | None:
     if fault_tolerant is False:
         return None
+    if importlib.util.find_spec("torchft") is None:  # before any process starts
+        raise ConfigurationError("fault_tolerant DiLoCo runs on torchft, not installed: pip install 'lightscale[ft]'.")
     ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
     if not isinstance(ft, FaultTolerance):
         raise ConfigurationError(

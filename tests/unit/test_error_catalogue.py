@@ -333,6 +333,14 @@ def _fault_tolerance(call=None, **kwargs):
         return getattr(ft, call)() if call else ft
 
 
+def _without_torchft():
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)):
+        return _diloco(fault_tolerant=True)
+
+
 def _error(name: str) -> type[BaseException]:
     from lightscale.errors import ConfigurationError
 
@@ -598,6 +606,8 @@ CATALOGUE: list[tuple] = [
      r"needs a name.*FaultTolerance\(replica_id='worker_0'\) or set LIGHTSCALE_REPLICA_ID"),
     ("diloco-ft-min-replicas", "fault-tolerant DiLoCo with min_replicas=0", lambda: _fault_tolerance(min_replicas=0),
      CE, r"min_replicas=0 is not valid; use an integer >= 1"),
+    ("diloco-ft-extra", "fault-tolerant DiLoCo without torchft installed (the ft extra)", _without_torchft, CE,
+     r"runs on torchft, not installed: pip install 'lightscale\[ft\]'"),
     ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
      lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
      r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),
