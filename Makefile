@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 LITDATA := litdata>=0.2.50,<0.3
 LITDATA_DEPS := lightning-utilities filelock boto3 requests tifffile obstore
 
-.PHONY: venv demo test bench soak lint format clean gpu-wheels gpu-check
+.PHONY: venv demo test bench bench-diloco soak lint format clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+# Hours on CPU, outside `make bench`: DiLoCo's outer lr x momentum x H on the small GPT against DDP and local SGD.
+bench-diloco: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sweep_diloco.py
 
 # Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
 soak: $(STAMP)

@@ -1,6 +1,7 @@
 """The one way lightscale parallelizes a single-device model: float8 -> TP -> EP -> AC -> compile -> FSDP.
 
-``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
+``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op``, ``parallel_3d`` (each pipeline stage too) and the
+``diloco`` family (inside each worker) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: float8 first when
 asked (it swaps Linear modules for torchao's Float8Linear; lightscale/parallel/float8.py), then tensor parallelism
 (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,6 +44,9 @@ class ParallelizeOptions:
     reshard_after_forward: bool = True
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
     float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/parallel/float8.py)
+    # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
+    # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
+    fsdp_over: Literal["data", "dp_shard", "none"] = "data"
 
 
 def parallelize_model(
@@ -63,8 +68,8 @@ def parallelize_model(
     (x ``cp``). Context parallelism changes no module: attention is routed at run time (the strategy's step).
     """
     network = network if network is not None else root
-    dp_mesh = data_parallel_mesh(mesh)
-    shards = dp_mesh.size() > 1 or options.always_shard
+    dp_mesh = mesh["dp_shard"] if options.fsdp_over == "dp_shard" else data_parallel_mesh(mesh)
+    shards = options.fsdp_over != "none" and (dp_mesh.size() > 1 or options.always_shard)
     if options.float8 is not None:  # swaps Linear modules: before anything holds them
         apply_float8(network, options.float8, fsdp_all_gather=shards, tp=mesh["tp"].size())
     if mesh["tp"].size() > 1:
@@ -78,6 +83,8 @@ def parallelize_model(
         ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)
+    if options.fsdp_over == "none":
+        return root
     if ignored and expert_data_mesh(mesh).size() > 1:
         shard_experts_over_data(moe_layers, mesh, mp_policy=options.mp_policy)
         ignored = set()  # FSDP-managed now: the dense groups below leave them alone

@@ -389,6 +389,22 @@ def _diloco(world_size=None, **kwargs):
         strategy.parallel_dims(world_size)
 
 
+def _fault_tolerance(call=None, **kwargs):
+    from lightscale.parallel.diloco import FaultTolerance
+
+    with mock.patch.dict(os.environ, {"LIGHTSCALE_REPLICA_ID": ""}):
+        ft = FaultTolerance(**kwargs)
+        return getattr(ft, call)() if call else ft
+
+
+def _without_torchft():
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)):
+        return _diloco(fault_tolerant=True)
+
+
 def _error(name: str) -> type[BaseException]:
     from lightscale.errors import ConfigurationError
 
@@ -690,6 +706,22 @@ CATALOGUE: list[tuple] = [
     ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
      lambda: _diloco(mode="local_sgd", compression="int8"), CE,
      r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
+    ("diloco-ft-workers", "fault-tolerant DiLoCo given a number of workers (each worker is a launch)",
+     lambda: _diloco(workers=2, fault_tolerant=True), CE,
+     r"workers=2 cannot be set with fault_tolerant.*Leave workers"),
+    ("diloco-ft-wire", "fault-tolerant DiLoCo with a compressed or streaming outer wire",
+     lambda: _diloco(fault_tolerant=True, compression="int8"), CE,
+     r"needs fragments=1, overlap_steps=0 and compression='none', not .*compression='int8'"),
+    ("diloco-ft-replica-id", "fault-tolerant DiLoCo worker without a name",
+     lambda: _fault_tolerance("resolved_replica_id"), CE,
+     r"needs a name.*FaultTolerance\(replica_id='worker_0'\) or set LIGHTSCALE_REPLICA_ID"),
+    ("diloco-ft-min-replicas", "fault-tolerant DiLoCo with min_replicas=0", lambda: _fault_tolerance(min_replicas=0),
+     CE, r"min_replicas=0 is not valid; use an integer >= 1"),
+    ("diloco-ft-extra", "fault-tolerant DiLoCo without torchft installed (the ft extra)", _without_torchft, CE,
+     r"runs on torchft, not installed: pip install 'lightscale\[ft\]'"),
+    ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
+     lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
+     r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),
     ("batch-check-every", "check_batches_every below 1", lambda: _p3d(tp=2, check_batches_every=0), CE,
      r"check_batches_every=0 is not valid: use a positive number of training steps.*or None"),
     ("batches-disagree", "ranks of one data shard (tp, pp) given different batches (a dataset sharded by get_rank())",
