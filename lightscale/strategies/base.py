@@ -42,7 +42,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
-from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.layout import (
+    AVERAGED,
+    TRAINER_STATE,
+    load_sharded,
+    save_sharded,
+    saved_rng_states,
+    trainer_state_of,
+)
 from lightscale.checkpoint.rng import restore_rng_states
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
@@ -54,6 +61,7 @@ from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
 
 log = logging.getLogger(__name__)
 # Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
@@ -207,7 +215,14 @@ class LightscaleStrategy(ProcessStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            adopt_weight_averaging(trainer, self.lightning_module)
         self.barrier()  # no rank starts a step (its collectives) before every rank's model is ready
+
+    def local_shards(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The pieces of ``module``'s (default: the LightningModule's) parameters and buffers this rank holds, by name:
+        writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
+        an EMA (lightscale/strategies/weight_averaging.py)."""
+        return local_shards(module if module is not None else self.lightning_module)
 
     def configure_precision(self, plugin: Precision) -> Precision:
         """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
@@ -301,7 +316,9 @@ class LightscaleStrategy(ProcessStrategy):
         with self.checkpoint_module() as module:
             rest = self.trainer_state(checkpoint)
             save_file = self.checkpoint_io.save_checkpoint
-            save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
+            averaged = checkpoint.get(AVERAGED)  # a WeightAveraging callback's (strategies/weight_averaging.py)
+            writer = self.checkpoint_writer
+            save_sharded(path, module, self.optimizers, rest, save_file, writer=writer, averaged=averaged)
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and

@@ -18,12 +18,13 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, read_diloco_state
-from lightscale.checkpoint.layout import write_checkpoint
+from lightscale.checkpoint.layout import AVERAGED_META, write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import data_parallel_root, sharding_units
@@ -236,6 +237,11 @@ class DiLoCoStrategy(LightscaleStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(path.parent)
+        if checkpoint.pop(AVERAGED_META, None) is not None:
+            rank_zero_warn(
+                "DiLoCo's checkpoint does not keep a WeightAveraging average (each worker averages its own replica): "
+                "a resumed run restarts the average from the loaded weights."
+            )
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
         meta["workers"] = self.dims.dp_replicate
         rest = {**self.trainer_state(checkpoint), "diloco": meta}

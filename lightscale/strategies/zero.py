@@ -29,7 +29,7 @@ from lightscale.checkpoint.deepspeed_dir import (
     safe_checkpoint_engine,
     save_engine_directory,
 )
-from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
+from lightscale.checkpoint.layout import AVERAGED, lightning_rest, with_average, write_checkpoint
 from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.checkpoint.zero_portable import group_parameter_names, zero_state_dict
 from lightscale.errors import ConfigurationError
@@ -58,6 +58,7 @@ from lightscale.strategies.deepspeed_engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
+from lightscale.strategies.weight_averaging import adopt_weight_averaging
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -218,6 +219,8 @@ class ZeroStrategy(LightscaleStrategy):
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
             rebind_scheduler(scheduler.scheduler, optimizer)  # type: ignore[arg-type]
+        if fitting:
+            adopt_weight_averaging(trainer, self.lightning_module)
         self.barrier()
 
     def _engine_wraps(self, module: LightningModule) -> bool:
@@ -337,6 +340,7 @@ class ZeroStrategy(LightscaleStrategy):
             return
         rest = self.trainer_state(checkpoint)
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
+        state.update(with_average(checkpoint.get(AVERAGED)))
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
 
     @override
