@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
+from lightscale.checkpoint.hf_export import MODELS, describe_models
 from lightscale.checkpoint.layout import (
     AVERAGED,
     TRAINER_STATE,
@@ -323,7 +324,9 @@ class LightscaleStrategy(ProcessStrategy):
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
         holding every rank's random state (collective)."""
-        return trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
+        state = trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
+        state["lightscale"][MODELS] = describe_models(self.lightning_module)  # what `lightscale export --hf` rebuilds
+        return state
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

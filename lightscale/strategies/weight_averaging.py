@@ -61,7 +61,7 @@ def local_shards(module: nn.Module, *, buffers: bool = True) -> dict[str, Tensor
 
 def _local(tensor: Tensor) -> Tensor:
     if isinstance(tensor, DTensor):
-        return tensor._local_tensor.detach()
+        return tensor.to_local().detach()  # an alias of the local shard: writes reach the parameter
     if hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False):
         return tensor.ds_tensor.detach()
     return tensor.detach()
