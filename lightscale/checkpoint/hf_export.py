@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
@@ -41,7 +42,7 @@ def describe_models(module: nn.Module) -> list[dict[str, str]]:
     for name, sub in module.named_modules():
         if not name or any(name.startswith(entry["attribute"] + ".") for entry in found):
             continue
-        cls = type(sub)
+        cls = next(c for c in type(sub).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model
         if _is_transformers_model(sub):
             config = sub.config.to_json_string(use_diff=False)
             found.append({"attribute": name, "class": cls.__name__, "library": "transformers", "config": config})
