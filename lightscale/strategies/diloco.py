@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, read_diloco_state
-from lightscale.checkpoint.layout import AVERAGED_META, write_checkpoint
+from lightscale.checkpoint.layout import AVERAGED, AVERAGED_META, write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import data_parallel_root, sharding_units
@@ -233,15 +233,16 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.outer is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
-        self.check_checkpoint_dir(path.parent)
         if checkpoint.pop(AVERAGED_META, None) is not None:
+            checkpoint.pop(AVERAGED, None)
             rank_zero_warn(
                 "DiLoCo's checkpoint does not keep a WeightAveraging average (each worker averages its own replica): "
                 "a resumed run restarts the average from the loaded weights."
             )
+        if self.outer is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        self.check_checkpoint_dir(path.parent)
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
         meta["workers"] = self.dims.dp_replicate
         rest = {**self.trainer_state(checkpoint), "diloco": meta}

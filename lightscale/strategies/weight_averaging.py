@@ -121,24 +121,33 @@ def _reshard(module: nn.Module) -> None:
 
 # ---- the checkpoint: ``averaged.*`` beside ``model.*`` ------------------------------------------------------------
 def portable_average(average: ShardAverage, module: nn.Module) -> dict[str, Tensor]:
-    """The average in the portable layout, under the module's state-dict names: a DTensor where the weight is one,
-    a whole tensor elsewhere; a ZeRO-3 partition is gathered one tensor at a time and kept by its owner only."""
-    params = dict(module.named_parameters())
-    params.update(module.named_buffers())
+    """The average in the portable layout, under the names of ``module.state_dict()`` (tied aliases and persistent
+    buffers as ``model.*`` has them): a DTensor where the weight is one, a whole tensor elsewhere; a ZeRO-3
+    partition is gathered one tensor at a time and kept by its owner only. A buffer the callback does not average
+    (``use_buffers=False``) is saved as it is."""
+    shards = dict(zip(average.module.names, average.shards(), strict=True))
+    by_id = {id(t): shards[name] for name, t in _named_tensors(module) if name in shards}
     out: dict[str, Tensor] = {}
-    for index, (name, shard) in enumerate(zip(average.module.names, average.shards(), strict=True)):
-        live = params[name]
+    gathered: dict[int, Tensor | None] = {}
+    for index, (name, live) in enumerate(module.state_dict(keep_vars=True).items()):
+        shard = by_id.get(id(live), _local(live))
         if isinstance(live, DTensor):
             out[name] = DTensor.from_local(
                 shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
             )
         elif _partitioned(live):
-            whole = _gather_partition(shard, live)
-            if index % dist.get_world_size() == dist.get_rank():
-                out[name] = whole
+            if id(live) not in gathered:  # collective: every rank, in the same order; the owner keeps it
+                whole = _gather_partition(shard, live)
+                gathered[id(live)] = whole if index % dist.get_world_size() == dist.get_rank() else None
+            if gathered[id(live)] is not None:
+                out[name] = gathered[id(live)]
         else:
             out[name] = shard
     return out
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
 
 
 def _partitioned(tensor: Tensor) -> bool:
@@ -156,9 +165,11 @@ def load_portable_average(average: ShardAverage, module: nn.Module, read: Callab
     (DCP reshards); a ZeRO-3 partition reads its whole tensor, one at a time, and keeps its slice."""
     template = {}
     partitions = []
-    params = dict(module.named_parameters())
-    params.update(module.named_buffers())
+    params = dict(_named_tensors(module))
+    saved = set(module.state_dict(keep_vars=True))  # non-persistent buffers are not saved: they keep their copy
     for name, shard in zip(average.module.names, average.shards(), strict=True):
+        if name not in saved:
+            continue
         live = params[name]
         if isinstance(live, DTensor):
             template[name] = DTensor.from_local(
