@@ -18,13 +18,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, read_diloco_state
-from lightscale.checkpoint.layout import AVERAGED, AVERAGED_META, write_checkpoint
+from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.contract import data_parallel_root, sharding_units
@@ -35,6 +34,7 @@ from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.weight_averaging import drop_average
 
 Inner = Literal["bucketed_ddp", "fsdp2"]
 INNERS: tuple[str, ...] = ("bucketed_ddp", "fsdp2")
@@ -233,12 +233,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if checkpoint.pop(AVERAGED_META, None) is not None:
-            checkpoint.pop(AVERAGED, None)
-            rank_zero_warn(
-                "DiLoCo's checkpoint does not keep a WeightAveraging average (each worker averages its own replica): "
-                "a resumed run restarts the average from the loaded weights."
-            )
+        drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
         if self.outer is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))

@@ -188,6 +188,24 @@ def load_portable_average(average: ShardAverage, module: nn.Module, read: Callab
         shard[: piece.numel()].copy_(piece)
 
 
+def _from_lightning_file(average: ShardAverage, module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Lightning's own single file (its WeightAveraging, on a strategy holding whole weights; lightscale loads such
+    files into unsharded models only): ``state_dict``, already loaded into ``module``, is the average and
+    ``current_model_state`` the raw weights."""
+    with torch.no_grad():
+        for mine, live in zip(average.shards(), average.live(module), strict=True):
+            mine.copy_(live)
+    module.load_state_dict(checkpoint["current_model_state"])
+    average.n_averaged.fill_(int(checkpoint["averaging_state"]["n_averaged"]))
+
+
+def drop_average(checkpoint: dict[str, Any], why: str) -> None:
+    """For a checkpoint format that keeps no average: leave it out, so a resume restarts it instead of failing."""
+    if checkpoint.pop(AVERAGED_META, None) is not None:
+        checkpoint.pop(AVERAGED, None)
+        rank_zero_warn(f"{why}: a resumed run restarts the WeightAveraging average from the loaded weights.")
+
+
 # ---- Lightning's callback, routed through the shards ---------------------------------------------------------------
 def weight_averaging_callbacks(trainer: Trainer) -> Iterator[WeightAveraging]:
     return (callback for callback in trainer.callbacks if isinstance(callback, WeightAveraging))  # type: ignore[attr-defined]
@@ -227,6 +245,9 @@ def _on_save_checkpoint(self: WeightAveraging, trainer: Trainer, pl_module: Ligh
 
 def _on_load_checkpoint(self: WeightAveraging, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
     meta = checkpoint.get(AVERAGED_META)
+    if meta is None and {"current_model_state", "averaging_state"} <= checkpoint.keys():
+        _from_lightning_file(self._average_model, pl_module, checkpoint)
+        return
     if meta is None:
         rank_zero_warn(
             "The checkpoint holds no averaged weights (it was not saved with WeightAveraging): the average starts "

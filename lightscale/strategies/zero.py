@@ -58,7 +58,7 @@ from lightscale.strategies.deepspeed_engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
-from lightscale.strategies.weight_averaging import adopt_weight_averaging
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -336,6 +336,7 @@ class ZeroStrategy(LightscaleStrategy):
         target = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
+            drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
         rest = self.trainer_state(checkpoint)

@@ -219,3 +219,54 @@ def test_sharded_ema_matches_one_process(name: str, reference: dict, tmp_path: P
         for saved, restored in zip(first[rank]["saved"], resumed[rank]["restored"], strict=True):
             assert torch.equal(saved, restored)  # bitwise
     assert sum(run["bytes"] for run in first) == total_bytes()
+
+
+class Snapshot(pl.Callback):
+    """At step ``at``: save (plain Lightning's file) and keep the raw weights and Lightning's average."""
+
+    def __init__(self, averaging: WeightAveraging, at: int, path: str) -> None:
+        self.averaging, self.at, self.path, self.out = averaging, at, path, {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            trainer.save_checkpoint(self.path)
+            self.out["raw"] = [p.detach().clone() for p in pl_module.parameters()]
+            self.out["average"] = [p.detach().clone() for p in self.averaging._average_model.module.parameters()]
+
+
+class Restored(pl.Callback):
+    def __init__(self, averaging: WeightAveraging) -> None:
+        self.averaging, self.out = averaging, {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.out["raw"] = [p.detach().clone() for p in pl_module.parameters()]
+        self.out["average"] = [t.clone() for t in self.averaging._average_model.shards()]
+        self.out["n"] = int(self.averaging._average_model.n_averaged)
+
+
+def _lightning_file_resumed(directory: str) -> tuple[dict, dict]:
+    pl.seed_everything(1234, verbose=False)
+    loader = DataLoader(_data()[0], batch_size=BATCH)
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    quiet["enable_model_summary"] = False
+    averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+    snapshot = Snapshot(averaging, 3, f"{directory}/lightning.ckpt")
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[averaging, snapshot], **quiet).fit(
+        Classifier(), loader
+    )
+    averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+    restored = Restored(averaging)
+    trainer = lightscale.Trainer(
+        strategy="bucketed_ddp", accelerator="cpu", devices=1, max_steps=4, callbacks=[averaging, restored], **quiet
+    )
+    trainer.fit(Classifier(), loader, ckpt_path=snapshot.path)
+    return snapshot.out, restored.out
+
+
+def test_a_lightning_file_with_its_average_resumes_raw_and_average_apart(tmp_path: Path) -> None:
+    # Lightning's own format keeps the average as state_dict and the raw weights as current_model_state.
+    saved, restored = run_distributed(_lightning_file_resumed, str(tmp_path), world_size=1, timeout_s=120)[0]
+    assert restored["n"] == 3
+    for part in ("raw", "average"):
+        assert all(torch.equal(a, b) for a, b in zip(saved[part], restored[part], strict=True)), part
+    assert not all(torch.equal(a, b) for a, b in zip(saved["raw"], saved["average"], strict=True))
