@@ -210,6 +210,13 @@ def _hf_unknown_module():
     choose_model([{"attribute": "model", "class": "LlamaForCausalLM"}], "net", Path("last.ckpt"))
 
 
+def _hf_without_transformers():
+    from lightscale.checkpoint.hf_export import _save_pretrained
+
+    with mock.patch.dict("sys.modules", {"transformers": None}):
+        _save_pretrained({"class": "LlamaForCausalLM"}, {}, Path("out"), "5GB")
+
+
 def _forward_too_long():
     from lightscale.recipes.gpt import GPT
 
@@ -487,6 +494,8 @@ CATALOGUE: list[tuple] = [
      CE, r"holds no averaged weights: it was saved without a WeightAveraging callback.*Read the raw weights"),
     ("hf-module", "export --hf --module naming no model the checkpoint recorded", _hf_unknown_module, CE,
      r"--module 'net' is not an exportable model of last.ckpt; recorded: \['model'\]"),
+    ("hf-extra", "export --hf of a transformers model without transformers installed", _hf_without_transformers, CE,
+     r"needs transformers: pip install 'lightscale\[hf\]'"),
     ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
      r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
     ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",
