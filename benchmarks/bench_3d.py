@@ -1,4 +1,5 @@
-"""parallel_3d: (1) measured pipeline idle per rank vs each schedule's bubble; (2) tp=2 step time vs a DTensor loop.
+"""parallel_3d: (1) measured pipeline idle per rank vs each schedule's bubble; (2) tp=2 step time vs a DTensor loop;
+(3) the cost of checking that tp ranks got the same batch.
 
 (1) Every stage is the same stack of Linear layers (equal cost by construction). On 2 forked ranks each schedule
 runs ``--microbatches`` microbatches; the busy time of a rank is calibrated by running its stages' forward and
@@ -9,6 +10,11 @@ backward 2) for the others; the ratio measured / theoretical is 1 for a perfect 
 (2) The GPT recipe under ``parallel_3d`` with tp=2 (Lightning's loop) vs a hand-written loop doing the same work:
 ``parallelize_gpt`` on the same mesh, forward + backward under ``loss_parallel``, AdamW step. Interleaved ABBA,
 medians of step times after warm-up.
+
+(3) The same tp=2 run with the batch agreement check (lightscale/parallel/batch_agreement.py) at every other step:
+the median time of the checked steps over that of the unchecked ones, side by side in one run; and the check's own
+cost (the median of 50 checks of a batch the run's size on the same 2 ranks) as a share of a step, every step and at
+the default interval.
 
     python benchmarks/bench_3d.py [--microbatches 4] [--steps 6] [--repeats 2]
 """
@@ -31,6 +37,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, timed_trainer
 
+from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement
 from lightscale.parallel.pipeline import default_stages_per_rank, schedule_class, stage_ids
 from lightscale.parallel.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
@@ -42,6 +49,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
 WIDTH, LAYERS_PER_STAGE, MICRO_BATCH = 1024, 4, 128  # ~1 GFLOP per stage forward: compute, not overhead
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
 WARMUP = 2
+CHECK_STEPS = 40  # (3): half of them checked; fewer leave the ratio to the machine's noise
 
 
 def _stage(index: int) -> nn.Module:
@@ -120,6 +128,45 @@ def _raw_tp(steps: int, cache_dir: str) -> float:
     return median(times[WARMUP:])
 
 
+def _check_cost(calls: int = 50) -> float:
+    """Seconds of one batch agreement check (checksum, all-gather, compare) of a batch of 8 x block_size tokens."""
+    agreement = BatchAgreement(ParallelDims(world_size=2, tp=2), every=1)
+    tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.block_size + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        agreement.maybe_check(batch, device=torch.device("cpu"))
+        times.append(time.perf_counter() - start)
+    return median(times[WARMUP:])
+
+
+def _checked_vs_unchecked(steps: int, cache_dir: str) -> tuple[float, float]:
+    """Median step time of the checked and the unchecked steps of one tp=2 run checking every other step: side by
+    side in the same processes, so load drift hits both alike."""
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer(WARMUP)
+    strategy = Parallel3DStrategy(tp=2, check_batches_every=2)
+    trainer = timed_trainer(strategy, devices=2, steps=steps, callbacks=[timer])
+    trainer.fit(
+        GPTModule(MODEL, warmup_steps=1), GPTDataModule(block_size=MODEL.block_size, batch_size=8, cache_dir=cache_dir)
+    )
+    checked = [t for i, t in enumerate(timer.times, start=WARMUP) if i % 2 == 0]
+    unchecked = [t for i, t in enumerate(timer.times, start=WARMUP) if i % 2 == 1]
+    return median(checked), median(unchecked)
+
+
+def _check_overhead(steps: int, repeats: int, cache: str) -> None:
+    runs = [run_distributed(_checked_vs_unchecked, steps, cache, world_size=2, timeout_s=600) for _ in range(repeats)]
+    on = median([max(rank[0] for rank in run) for run in runs])
+    off = median([max(rank[1] for rank in run) for run in runs])
+    cost = max(run_distributed(_check_cost, world_size=2))
+    share = cost / off
+    print(f"bench_3d (3): batch agreement check, tp=2, every other step of one run: checked steps {on * 1e3:.1f} ms, "
+          f"unchecked {off * 1e3:.1f} ms, ratio {on / off:.3f}; one check alone {cost * 1e3:.2f} ms = {share:.2%} of "
+          f"a step; at the default (every {DEFAULT_EVERY} steps) {share / DEFAULT_EVERY:.4%} per step")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=4)
@@ -145,6 +192,7 @@ def main() -> None:
     ours, raw = median(times["parallel_3d"]), median(times["dtensor_loop"])
     print(f"bench_3d (2): GPT {MODEL.n_layer}x{MODEL.n_embd}, tp=2, batch 8x{MODEL.block_size}: parallel_3d "
           f"{ours * 1e3:.1f} ms/step, DTensor loop {raw * 1e3:.1f} ms/step, ratio {ours / raw:.3f}")  # fmt: skip
+    _check_overhead(CHECK_STEPS, args.repeats, cache)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
+from lightscale.checkpoint.lightning_load import install_lightning_loading
+from lightscale.parallel.data_shard import DataShard, data_shard
 from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "__version__", "register_strategies", "strategy_table"]
+__all__ = ["DataShard", "Trainer", "__version__", "data_shard", "register_strategies", "strategy_table"]
 
 register_strategies()
 check_strategy_in_lightning()
+install_lightning_loading()  # Lightning's loaders read lightscale checkpoint directories (checkpoint/lightning_load.py)

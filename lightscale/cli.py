@@ -1,5 +1,5 @@
 """The `lightscale` command: fit|validate|test --config CONFIG (LightningCLI) and strategies, export, schedule,
-estimate, plan, doctor, convert.
+estimate, plan, doctor, convert, consolidate.
 
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
@@ -31,6 +31,7 @@ from lightscale.checkpoint.convert import (
     write_model_state,
 )
 from lightscale.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
+from lightscale.commands.consolidate import consolidate_command
 from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
@@ -226,6 +227,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "estimate": lambda args: estimate_command(resolve_config_args(args)),
     "plan": lambda args: plan_command(resolve_config_args(args)),
     "convert": convert_command,
+    "consolidate": consolidate_command,
 }
 
 

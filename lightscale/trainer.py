@@ -15,8 +15,10 @@ from typing_extensions import override
 
 from lightscale.callbacks.model_summary import with_global_summary
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.data_shard import forget_data_shard
 from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
+from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies
 
 
@@ -51,6 +53,8 @@ class Trainer(LightningTrainer):
         kwargs["callbacks"] = with_global_summary(_as_list(kwargs.get("callbacks")), enabled=summary)
         kwargs["enable_model_summary"] = False  # decided above; Lightning would only say it skips its own
         super().__init__(*args, **kwargs)
+        if not isinstance(self.strategy, LightscaleStrategy):  # a lightscale run earlier in this process published one
+            forget_data_shard()
         self.resume = resume
         self._resume_dir: Path | None = None
         if resume == "auto":  # a run that could never find its checkpoints fails here, before any work

@@ -21,8 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightscale.checkpoint.layout import read_checkpoint
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader
+from lightscale.checkpoint.layout import layout_entries, read_checkpoint
 from lightscale.parallel.diloco import OuterSync
 
 _PREFIX = "diloco."
@@ -60,7 +59,7 @@ def diloco_state(
 
 def read_diloco_state(path: Any, globals_: dict[str, Tensor], *, worker: int, shard: int) -> dict[str, Tensor]:
     """Collectively fill ``globals_`` (the ``model`` entries) and return this rank's ``diloco`` tensors of ``path``."""
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = layout_entries(path)
     mine = (f"w{worker}.s{shard}.", f"s{shard}.")
     template = {
         key[len(_PREFIX) :]: torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -40,6 +40,8 @@ from torch.optim import Optimizer
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.checkpoint.averaged import AVERAGED
+from lightscale.checkpoint.layout_file import read_file_layout
 from lightscale.checkpoint.rng import gather_rng_states
 from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
@@ -48,10 +50,6 @@ from lightscale.errors import ConfigurationError
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
 LAYOUT_FORMAT = 1
-# Weight averaging under sharding (lightscale/strategies/weight_averaging.py): the average's tensors, written as DCP
-# shards under ``averaged.*`` beside ``model.*``, and its counter, kept in trainer_state.pt.
-AVERAGED = "averaged_state_dict"
-AVERAGED_META = "lightscale_weight_averaging"
 _DCP_ENTRIES = ("state_dict", "optimizer_states", AVERAGED)  # the parts of Lightning's checkpoint DCP writes as shards
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
@@ -72,10 +70,16 @@ def lightning_rest(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in checkpoint.items() if key not in _DCP_ENTRIES}
 
 
-def trainer_state_of(checkpoint: dict[str, Any], *, strategy: str, world_size: int) -> dict[str, Any]:
+def trainer_state_of(
+    checkpoint: dict[str, Any], *, strategy: str, world_size: int, optimizers: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """``trainer_state.pt``'s content: :func:`lightning_rest` plus the ``lightscale`` entry naming the writer and
-    holding every rank's random state (collective: the states are gathered)."""
-    writer = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
+    holding every rank's random state (collective: the states are gathered) and, when given, the optimizers' classes
+    and parameter names per group (lightning_format.py's ``describe_optimizers``: Lightning's loaders number the
+    name-keyed optimizer state by it)."""
+    writer: dict[str, Any] = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
+    if optimizers is not None:
+        writer["optimizers"] = optimizers
     return {**lightning_rest(checkpoint), "lightscale": {**writer, "rng": gather_rng_states()}}
 
 
@@ -168,15 +172,35 @@ def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     with their local shapes or DTensor placements) in place from ``path``; DCP reshards. Never runs code from
     the files. Returns the directory read (``path``, or its previous copy after a crash mid-publish)."""
     path = complete_checkpoint(path)
+    if path.is_file():  # Lightning's single file (checkpoint_format="file"), read as the layout
+        layout = read_file_layout(path)
+        check_shapes(layout.model_shapes(), tensor_shapes(state.get("model", {})), str(path))
+        layout.fill(state)
+        return path
     check_checkpoint_dir(path)
     check_shapes(saved_model_shapes(path), tensor_shapes(state.get("model", {})), str(path))
     load_safely(state, path)
     return path
 
 
+def layout_entries(path: Path) -> dict[str, Any]:
+    """The layout's entries of checkpoint ``path`` (a directory's DCP metadata, read safely, or what a single file
+    holds, layout_file.py): global shape and dtype of every tensor."""
+    path = complete_checkpoint(path)
+    if path.is_file():
+        return read_file_layout(path).metadata()
+    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def read_rest(path: Path, load_file: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Lightning's checkpoint without model and optimizer state: ``trainer_state.pt`` of a directory (read with
+    ``load_file``), or the rest of a single file."""
+    return read_file_layout(path).rest if path.is_file() else load_file(path / TRAINER_STATE)
+
+
 def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Global shape of every model tensor in the DCP checkpoint ``path``, from its (safely read) metadata."""
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    """Global shape of every model tensor in the checkpoint ``path``, from its (safely read) metadata."""
+    entries = layout_entries(path)
     return {
         key[len(_MODEL) :]: tuple(meta.size)
         for key, meta in entries.items()
@@ -188,7 +212,7 @@ def check_checkpoint_dir(path: Path) -> None:
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
             f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "
-            f"and {TRAINER_STATE}). A single-file Lightning checkpoint loads under bucketed_ddp only."
+            f"and {TRAINER_STATE}) or a Lightning checkpoint file."
         )
 
 

@@ -19,8 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
-from lightscale.checkpoint.layout import read_checkpoint
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader
+from lightscale.checkpoint.layout import layout_entries, read_checkpoint
 from lightscale.checkpoint.zero_portable import (
     _flat_partitions,
     _rank,
@@ -37,7 +36,7 @@ class SavedState:
     parameter) and scalar keys (step counters) of each parameter, and which group settings it holds."""
 
     def __init__(self, path: Path, params: list[tuple[str, nn.Parameter]]) -> None:
-        entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        entries = layout_entries(path)
         self.entries = set(entries)
         shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         for key, meta in entries.items():

@@ -1,7 +1,8 @@
 """The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
 process group, collective timeout, failure watcher, collectives).
 
-What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use), the precision and
+What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
+each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
 checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
 checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
 teardown.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,15 +43,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
+from lightscale.checkpoint.averaged import to_lightning_convention
 from lightscale.checkpoint.hf_export import MODELS, describe_models
 from lightscale.checkpoint.layout import (
     AVERAGED,
-    TRAINER_STATE,
     load_sharded,
+    read_rest,
     save_sharded,
     saved_rng_states,
     trainer_state_of,
 )
+from lightscale.checkpoint.lightning_format import describe_optimizers
 from lightscale.checkpoint.rng import restore_rng_states
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
@@ -58,6 +61,8 @@ from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
+from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
@@ -75,6 +80,10 @@ class LightscaleStrategy(ProcessStrategy):
     ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
     CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
     ``save_checkpoint`` (the portable layout).
+
+    ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
+    same batch; their batches are compared at the first training step and every that many steps after
+    (lightscale/parallel/batch_agreement.py), and a mismatch stops the run on every rank. ``None`` turns it off.
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
@@ -83,6 +92,9 @@ class LightscaleStrategy(ProcessStrategy):
     # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
     # unsharded model; sharded strategies read the layout alone.
     reads_single_files: ClassVar[bool] = True
+    # What ``checkpoint_format`` may name (the first is the default): "dcp" the portable layout, "file" Lightning's
+    # single file (rank 0 writes it: whole parameters on every rank only), "deepspeed" DeepSpeed's own directory.
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("dcp",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
@@ -115,7 +127,12 @@ class LightscaleStrategy(ProcessStrategy):
         process_group_backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         async_save: bool = False,
+        checkpoint_format: str = "dcp",
+        check_batches_every: int | None = DEFAULT_EVERY,
     ) -> None:
+        check_checkpoint_format(type(self), checkpoint_format)
+        check_every(check_batches_every)
+        self.checkpoint_format = checkpoint_format
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -131,11 +148,18 @@ class LightscaleStrategy(ProcessStrategy):
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
+        self.check_batches_every = check_batches_every
+        self._batch_agreement: BatchAgreement | None = None  # with the layout, at setup_environment
 
     def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
         """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
         if not async_save:
             return None
+        if self.checkpoint_format != "dcp":
+            raise ConfigurationError(
+                f"async_save=True writes the portable layout only; checkpoint_format={self.checkpoint_format!r} is "
+                "written synchronously. Use checkpoint_format='dcp' with async_save, or async_save=False."
+            )
         if not _saves_portable_layout(type(self)):
             supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if _saves_portable_layout(cls))
             raise ConfigurationError(
@@ -189,9 +213,21 @@ class LightscaleStrategy(ProcessStrategy):
         """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
 
     @override
+    def set_world_ranks(self) -> None:
+        """Ranks, then this rank's data shard published for ``lightscale.data_shard()`` (and every DataLoader worker,
+        which inherits it): the Trainer's constructor calls this, so a dataset built between ``Trainer(...)`` and
+        ``fit`` reads its shard too; ``setup_environment`` calls it again."""
+        super().set_world_ranks()
+        with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
+            dims = self.parallel_dims(self.world_size)
+            shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+            publish_data_shard(shard, rank=self.global_rank, world_size=self.world_size)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
+        self._batch_agreement = BatchAgreement(self._dims, every=self.check_batches_every)
         trainer = getattr(self.lightning_module, "_trainer", None)
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
@@ -314,6 +350,9 @@ class LightscaleStrategy(ProcessStrategy):
         and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
         path = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
+        if self.checkpoint_format == "file":
+            self.save_single_file(checkpoint, path)
+            return
         with self.checkpoint_module() as module:
             rest = self.trainer_state(checkpoint)
             save_file = self.checkpoint_io.save_checkpoint
@@ -321,39 +360,69 @@ class LightscaleStrategy(ProcessStrategy):
             writer = self.checkpoint_writer
             save_sharded(path, module, self.optimizers, rest, save_file, writer=writer, averaged=averaged)
 
+    def save_single_file(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
+        whole tensors) plus the ``lightscale`` entry of :meth:`trainer_state` (random states, optimizer groups), which
+        lets every strategy read it as the layout (lightscale/checkpoint/layout_file.py). Rank 0 writes, atomically."""
+        rest = self.trainer_state(checkpoint)  # collective
+        if self.is_global_zero:
+            # a WeightAveraging average as Lightning's own callback writes it (lightscale/checkpoint/averaged.py)
+            single = to_lightning_convention({**checkpoint, "lightscale": rest["lightscale"]})
+            self.checkpoint_io.save_checkpoint(single, path)
+        self.barrier("save_single_file")
+
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
-        holding every rank's random state (collective)."""
-        state = trainer_state_of(checkpoint, strategy=type(self).__name__, world_size=self.world_size)
+        holding every rank's random state, the optimizers' parameter groups and the exportable models (collective)."""
+        optimizers = self.saved_optimizers()
+        state = trainer_state_of(
+            checkpoint, strategy=type(self).__name__, world_size=self.world_size, optimizers=optimizers
+        )
         state["lightscale"][MODELS] = describe_models(self.lightning_module)  # what `lightscale export --hf` rebuilds
         return state
+
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries
+        hold (collective), so that Lightning's loaders can number it as torch does (checkpoint/lightning_format.py);
+        None where the layout holds no such state."""
+        with self.checkpoint_module() as module:
+            return describe_optimizers(module, self.optimizers)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
         Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_file() and self.reads_single_files:
-            return super().load_checkpoint(path, weights_only=weights_only)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_file() and self.reads_single_files:  # Lightning restores weights and optimizers by position
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+            self.restore_extras(checkpoint, fitting=fitting)
+            return checkpoint
         with self.checkpoint_module() as module:
             read = load_sharded(path, module, self.optimizers if fitting else [])
         meta = self.read_trainer_state(read, fitting=fitting)
         return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
 
     def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
-        """``trainer_state.pt`` of a layout directory (weights-only); when fitting, its random states are kept for
-        the first batch: creating the data iterator after the load draws from torch's RNG."""
-        meta = self.checkpoint_io.load_checkpoint(checkpoint_dir / TRAINER_STATE)
+        """``trainer_state.pt`` of a layout directory (weights-only), or the rest of a single file; see
+        :meth:`restore_extras`."""
+        meta = read_rest(checkpoint_dir, self.checkpoint_io.load_checkpoint)
+        self.restore_extras(meta, fitting=fitting)
+        return meta
+
+    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
+        """What lightscale keeps beside Lightning's state: when fitting, the random states are kept for the first
+        batch (creating the data iterator after the load draws from torch's RNG)."""
         if fitting:
             self._saved_rng_states = saved_rng_states(meta)
-        return meta
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         states, self._saved_rng_states = self._saved_rng_states, None
         if states is not None:
             restore_rng_states(states)
+        if self._batch_agreement is not None:  # collective on checked steps: the batch as the step will get it
+            self._batch_agreement.maybe_check(batch, device=self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -382,6 +451,18 @@ class LightscaleStrategy(ProcessStrategy):
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def check_checkpoint_format(cls: type[LightscaleStrategy], checkpoint_format: str) -> None:
+    """Refuse a ``checkpoint_format`` the class does not write, naming its formats and the strategies with "file"."""
+    if checkpoint_format in cls.checkpoint_formats:
+        return
+    with_file = sorted(known.__name__ for known in REGISTERED if "file" in known.checkpoint_formats)
+    raise ConfigurationError(
+        f"checkpoint_format={checkpoint_format!r} is not available for {cls.__name__}; it writes "
+        f"{list(cls.checkpoint_formats)}. 'file' (Lightning's single file, written by rank 0) needs whole parameters "
+        f"on every rank: {', '.join(with_file)}. Any checkpoint becomes one file with `lightscale consolidate`."
+    )
 
 
 def _saves_portable_layout(cls: type) -> bool:

@@ -8,7 +8,6 @@ The model is not wrapped: :class:`~lightscale.parallel.BucketedGradReducer` hook
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -45,6 +44,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
     """
 
     precision_family = "bucketed_ddp"
+    checkpoint_formats = ("dcp", "file")  # whole parameters on every rank: Lightning's single file too
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
@@ -123,8 +123,8 @@ class BucketedDDPStrategy(LightscaleStrategy):
         return state
 
     @override
-    def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
-        meta = super().read_trainer_state(checkpoint_dir, fitting=fitting)
+    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
+        super().restore_extras(meta, fitting=fitting)
         powersgd = self.reducer.powersgd if self.reducer is not None else None
         states = meta.get("lightscale", {}).get("powersgd")
         if fitting and powersgd is not None and states:
@@ -135,7 +135,6 @@ class BucketedDDPStrategy(LightscaleStrategy):
                     f"{self.world_size}: step count and Qs are restored, the error-feedback residuals start at zero."
                 )
             powersgd.load_state_dict(states[self.global_rank if same_world else 0], residuals=same_world)
-        return meta
 
     @override
     def teardown(self) -> None:

@@ -70,6 +70,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     }
     plannable = ()
     reads_single_files = False
+    checkpoint_formats = ("dcp", "file")  # "file": the global model (inner="bucketed_ddp": whole on every rank)
 
     def __init__(
         self,
@@ -87,6 +88,11 @@ class DiLoCoStrategy(LightscaleStrategy):
     ) -> None:
         super().__init__(**kwargs)
         _check_settings(workers, inner, outer_lr, outer_momentum)
+        if inner == "fsdp2" and self.checkpoint_format == "file":
+            raise ConfigurationError(
+                "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
+                "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
+            )
         check_outer_settings(mode, compression)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
@@ -231,6 +237,19 @@ class DiLoCoStrategy(LightscaleStrategy):
             out[name] = tensor
         return out
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's persistent buffers (the same on every rank): saved beside the global parameters so that the
+        ``model.*`` entries are the module's whole ``state_dict``; loading fills them in place."""
+        module = self.lightning_module
+        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        state = module.state_dict(keep_vars=True)
+        return {name: t for name, t in state.items() if name not in params and isinstance(t, torch.Tensor)}
+
+    @override
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """None while training: each worker's inner state is its own (``diloco.*``), no ``optimizer.*`` entries."""
+        return super().saved_optimizers() if self.outer is None else None
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
@@ -238,18 +257,29 @@ class DiLoCoStrategy(LightscaleStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(path.parent)
+        if self.checkpoint_format == "file":  # the global model only: the workers' own state has no file form
+            model = {name: tensor.detach() for name, tensor in {**self._globals(), **self._buffers()}.items()}
+            rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
+            self.save_single_file({**rest, "state_dict": model}, path)
+            return None
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
         meta["workers"] = self.dims.dp_replicate
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
-        write_checkpoint(path, {"model": self._globals(), "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
+        model = {**self._globals(), **self._buffers()}
+        write_checkpoint(path, {"model": model, "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume (same workers and shards): globals, each worker's own state, the outer state; else the global model
         loads like any layout's (evaluation, or a checkpoint another strategy wrote)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if self.outer is None or not (path / "trainer_state.pt").is_file():
+        if self.outer is None:
             return super().load_checkpoint(path, weights_only)
+        if path.is_file():
+            raise ConfigurationError(
+                f"{path} is a single file; DiLoCo resumes from its portable layout (checkpoint_format='dcp'), which "
+                "holds every worker's own state. Evaluate the file, or start a new run from its weights (InitWeights)."
+            )
         meta = self.read_trainer_state(path, fitting=True)
         saved = meta.get("diloco")
         if saved is None or saved["workers"] != self.dims.dp_replicate:
@@ -258,7 +288,7 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"{None if saved is None else saved['workers']}); resume with the saved layout, or load its global "
                 f"model into a new run with `lightscale export`."
             )
-        tensors = read_diloco_state(path, self._globals(), worker=self.worker, shard=self.shard)
+        tensors = read_diloco_state(path, {**self._globals(), **self._buffers()}, worker=self.worker, shard=self.shard)
         load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
         return {**meta, "optimizer_states": []}
 

@@ -42,6 +42,7 @@ _CONNECTED = (
     "_launcher",
     "_timeout",
     "_backend",
+    "check_batches_every",  # the user's, given to fit_memory
 )
 
 

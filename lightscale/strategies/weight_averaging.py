@@ -43,7 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
-from lightscale.checkpoint.layout import AVERAGED, AVERAGED_META, read_checkpoint
+from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
+from lightscale.checkpoint.layout import read_checkpoint
 from lightscale.parallel.collectives import all_gather_single
 
 

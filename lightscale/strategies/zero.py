@@ -31,7 +31,7 @@ from lightscale.checkpoint.deepspeed_dir import (
 )
 from lightscale.checkpoint.layout import AVERAGED, lightning_rest, with_average, write_checkpoint
 from lightscale.checkpoint.zero_load import load_zero_state_dict
-from lightscale.checkpoint.zero_portable import group_parameter_names, zero_state_dict
+from lightscale.checkpoint.zero_portable import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
@@ -102,6 +102,7 @@ class ZeroStrategy(LightscaleStrategy):
             {"stage": 3, "offload_optimizer": True, "offload_params": True, "nvme_path": "auto"},
         ),
     }
+    checkpoint_formats = get_args(CheckpointFormat)
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded"),
         Plannable("zero2", "2Ψ", "+ gradients sharded"),
@@ -139,15 +140,9 @@ class ZeroStrategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         require_deepspeed()
-        super().__init__(**kwargs)
+        super().__init__(checkpoint_format=checkpoint_format, **kwargs)
         check_compression(compression, self.precision_family)
         self.compression = compression
-        if checkpoint_format not in get_args(CheckpointFormat):
-            raise ConfigurationError(
-                f"checkpoint_format={checkpoint_format!r} is not one of {list(get_args(CheckpointFormat))}: 'dcp' is "
-                "the portable layout every strategy loads, 'deepspeed' DeepSpeed's own engine directory."
-            )
-        self.checkpoint_format = checkpoint_format
         self._group_names: list[list[str]] = []
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
         self._nvme_auto = nvme_path == "auto"
@@ -343,6 +338,13 @@ class ZeroStrategy(LightscaleStrategy):
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
         state.update(with_average(checkpoint.get(AVERAGED)))
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
+
+    @override
+    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+        """The user's optimizer (DeepSpeed's inner one) and its groups' names, recorded before DeepSpeed flattened
+        them."""
+        zero = zero_optimizer(self.engine) if self.optimizers else None
+        return [] if zero is None else [{"class": type(zero.optimizer).__name__, "groups": self._group_names}]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -102,9 +102,10 @@ def _fit(strategy: str, devices: int, tmp_path: str) -> list[float]:
         default_root_dir=tmp_path,
         use_distributed_sampler=False,
     )
-    # Every rank is a data-parallel rank here: samples dealt round-robin, so the ranks' batches make the global one.
-    shard = Subset(data, range(rank, len(data), devices))
-    trainer.fit(module, DataLoader(shard, batch_size=GLOBAL_BATCH // devices))
+    # Samples dealt round-robin over the data shards (dp x ep; tp, cp and pp ranks share one), so the shards' batches
+    # make the global one. Known once the Trainer exists.
+    index, count = lightscale.data_shard()
+    trainer.fit(module, DataLoader(Subset(data, range(index, len(data), count)), batch_size=GLOBAL_BATCH // count))
     return recorder.losses
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import WeightAveraging
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -26,7 +27,8 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 import lightscale
 from lightscale.checkpoint.layout import full_model_state_dict
 from lightscale.cli import main as cli
-from lightscale.strategies import ZeroStrategy
+from lightscale.commands.consolidate import consolidate
+from lightscale.strategies import BucketedDDPStrategy, ZeroStrategy
 from lightscale.testing import run_distributed
 
 TOLERANCE = 1e-6  # absolute, fp32
@@ -212,6 +214,8 @@ def test_sharded_ema_matches_one_process(name: str, reference: dict, tmp_path: P
     exported = load_file(tmp_path / "ema.safetensors")
     assert all((exported[key] - tensor).abs().max() <= TOLERANCE for key, tensor in reference[STEPS][0].items())
     assert abs(first[0]["val_loss"] - reference[STEPS][1]) <= TOLERANCE  # validation ran on the average
+    if name == "fsdp2":  # outside lightscale: Lightning's own convention (state_dict: the average), or the raw weights
+        _check_lightning_convention(tmp_path / f"step{STEPS}", reference[STEPS][0])
     for rank in range(2):
         assert first[rank]["hook_vs_callback"] <= TOLERANCE  # the hand-written EMA on local_shards agrees
         assert first[rank]["bytes"] == first[rank]["shard_bytes"]  # the average holds this rank's shard only
@@ -219,6 +223,18 @@ def test_sharded_ema_matches_one_process(name: str, reference: dict, tmp_path: P
         for saved, restored in zip(first[rank]["saved"], resumed[rank]["restored"], strict=True):
             assert torch.equal(saved, restored)  # bitwise
     assert sum(run["bytes"] for run in first) == total_bytes()
+
+
+def _check_lightning_convention(checkpoint: Path, expected: dict[str, torch.Tensor]) -> None:
+    raw = full_model_state_dict(checkpoint, prefix="")
+    ours = consolidate(checkpoint, checkpoint.parent / "averaged.ckpt")
+    assert int(ours["averaging_state"]["n_averaged"]) == STEPS
+    assert all(torch.equal(ours["current_model_state"][key], tensor) for key, tensor in raw.items())
+    assert all((ours["state_dict"][key] - tensor).abs().max() <= TOLERANCE for key, tensor in expected.items())
+    plain = consolidate(checkpoint, checkpoint.parent / "raw.ckpt", averaged=False)
+    assert "current_model_state" not in plain and all(torch.equal(plain["state_dict"][k], t) for k, t in raw.items())
+    loaded = Classifier.load_from_checkpoint(checkpoint).state_dict()  # a directory, through lightscale's hook
+    assert all((loaded[key] - tensor).abs().max() <= TOLERANCE for key, tensor in expected.items())
 
 
 class Snapshot(pl.Callback):
@@ -234,38 +250,52 @@ class Snapshot(pl.Callback):
             self.out["average"] = [p.detach().clone() for p in self.averaging._average_model.module.parameters()]
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
 class Restored(pl.Callback):
     def __init__(self, averaging: WeightAveraging) -> None:
         self.averaging, self.out = averaging, {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.out["raw"] = [p.detach().clone() for p in pl_module.parameters()]
+        self.out["raw"] = [_whole(p) for p in pl_module.parameters()]
         self.out["average"] = [t.clone() for t in self.averaging._average_model.shards()]
         self.out["n"] = int(self.averaging._average_model.n_averaged)
 
 
-def _lightning_file_resumed(directory: str) -> tuple[dict, dict]:
+def _single_file_resumed(directory: str, writer: str) -> tuple[dict, dict]:
+    """Lightning's own strategy (``writer="lightning"``) or bucketed_ddp's ``checkpoint_format="file"`` writes one file
+    with the average; bucketed_ddp (Lightning's restore) or fsdp2 (the layout reader) resumes it."""
     pl.seed_everything(1234, verbose=False)
     loader = DataLoader(_data()[0], batch_size=BATCH)
     quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     quiet["enable_model_summary"] = False
     averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(DECAY))
-    snapshot = Snapshot(averaging, 3, f"{directory}/lightning.ckpt")
-    pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[averaging, snapshot], **quiet).fit(
-        Classifier(), loader
+    snapshot = Snapshot(averaging, 3, f"{directory}/one.ckpt")
+    first = {"lightning": "auto", "file": BucketedDDPStrategy(checkpoint_format="file")}[writer]
+    trainer = (pl.Trainer if writer == "lightning" else lightscale.Trainer)(
+        strategy=first, accelerator="cpu", devices=1, max_steps=3, callbacks=[averaging, snapshot], **quiet
     )
+    trainer.fit(Classifier(), loader)
     averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(DECAY))
     restored = Restored(averaging)
     trainer = lightscale.Trainer(
-        strategy="bucketed_ddp", accelerator="cpu", devices=1, max_steps=4, callbacks=[averaging, restored], **quiet
+        strategy={"lightning": "bucketed_ddp", "file": "fsdp2"}[writer],
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        callbacks=[averaging, restored],
+        **quiet,
     )
     trainer.fit(Classifier(), loader, ckpt_path=snapshot.path)
     return snapshot.out, restored.out
 
 
-def test_a_lightning_file_with_its_average_resumes_raw_and_average_apart(tmp_path: Path) -> None:
-    # Lightning's own format keeps the average as state_dict and the raw weights as current_model_state.
-    saved, restored = run_distributed(_lightning_file_resumed, str(tmp_path), world_size=1, timeout_s=120)[0]
+@pytest.mark.parametrize("writer", ["lightning", "file"])
+def test_a_single_file_with_its_average_resumes_raw_and_average_apart(writer: str, tmp_path: Path) -> None:
+    # Lightning's convention: the average as state_dict, the raw weights as current_model_state.
+    saved, restored = run_distributed(_single_file_resumed, str(tmp_path), writer, world_size=1, timeout_s=120)[0]
     assert restored["n"] == 3
     for part in ("raw", "average"):
         assert all(torch.equal(a, b) for a, b in zip(saved[part], restored[part], strict=True)), part

@@ -217,10 +217,41 @@ def _hf_without_transformers():
         _save_pretrained({"class": "LlamaForCausalLM"}, {}, Path("out"), "5GB")
 
 
+def _consolidate_without_optimizer_state():
+    from lightscale.checkpoint.convert import save_model_dcp
+    from lightscale.commands.consolidate import consolidate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model_dcp({"weight": torch.zeros(2)}, Path(tmp) / "weights.ckpt")  # the layout's model part only
+        consolidate(Path(tmp) / "weights.ckpt", Path(tmp) / "out.ckpt", with_optimizer=True)
+
+
+def _fit_with_another_optimizer(missing=None):
+    from lightscale.checkpoint.lightning_format import check_optimizers
+
+    module = torch.nn.Linear(2, 2)
+    saved = [{"class": "SGD", "groups": [["weight", "bias"]]}]
+    checkpoint = {"lightscale": {"consolidated": {"optimizers": saved, "missing": missing}}}
+    check_optimizers(checkpoint, module, [torch.optim.Adam(module.parameters())])
+
+
 def _forward_too_long():
     from lightscale.recipes.gpt import GPT
 
     GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def _batches_disagree():
+    from lightscale.parallel.batch_agreement import batch_checksum, check_agreement
+
+    dims = _dims(world_size=4, tp=2, pp=2)  # one data shard; each rank read its own batch, as by get_rank()
+    batches = [torch.full((2, 8), float(rank)) for rank in range(4)]
+    check_agreement(torch.stack([batch_checksum(batch) for batch in batches]), dims, step=0)
+
+
+def _bad_data_shard_env():
+    with mock.patch.dict(os.environ, LIGHTSCALE_DATA_SHARD_INDEX="4", LIGHTSCALE_DATA_SHARD_COUNT="4"):
+        _lightscale().data_shard()
 
 
 def _mb_split(batch, microbatches):
@@ -435,7 +466,7 @@ CATALOGUE: list[tuple] = [
     ("zero-offload-params", "parameter offload below stage 3", lambda: _zero(stage=2, offload_params=True), CE,
      r"needs ZeRO stage 3.*stage 2.*zero3_offload"),
     ("zero-checkpoint-format", "an unknown ZeRO checkpoint format", lambda: _zero(checkpoint_format="universal"), CE,
-     r"checkpoint_format='universal' is not one of \['dcp', 'deepspeed'\]"),
+     r"checkpoint_format='universal' is not available for ZeroStrategy; it writes \['dcp', 'deepspeed'\]"),
     ("zero-precision", "precision the ZeRO strategies do not support", lambda: _precision_section("64-true"), CE,
      r"precision='64-true' .*choose 32-true, bf16-mixed"),
     ("ds-owned-key", "DeepSpeed key lightscale sets itself",
@@ -544,6 +575,26 @@ CATALOGUE: list[tuple] = [
      _other_shape_checkpoint, CE,
      r"last\.ckpt was saved from a differently shaped model: tok_embeddings\.weight: checkpoint \(256, 16\), "
      r"model \(256, 32\)"),
+    ("ckpt-format-file-sharded", "checkpoint_format='file' on a strategy that shards parameters",
+     lambda: _fsdp2(checkpoint_format="file"), CE,
+     r"checkpoint_format='file' is not available for FSDP2Strategy.*needs whole parameters on every rank: "
+     r"BucketedDDPStrategy, DiLoCoStrategy"),
+    ("ckpt-format-file-diloco-fsdp2", "checkpoint_format='file' on DiLoCo with FSDP2 workers (a sharded global model)",
+     lambda: _diloco(inner="fsdp2", checkpoint_format="file"), CE,
+     r"checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it.*"
+     r"inner='bucketed_ddp'"),
+    ("ckpt-format-file-async", "async_save with checkpoint_format='file'",
+     lambda: _ddp(async_save=True, checkpoint_format="file"), CE,
+     r"async_save=True writes the portable layout only; checkpoint_format='file'.*checkpoint_format='dcp'"),
+    ("consolidate-no-optimizer", "consolidate --with-optimizer of a checkpoint without optimizer state",
+     _consolidate_without_optimizer_state, CE,
+     r"holds no optimizer state in the portable layout; consolidate it without --with-optimizer"),
+    ("lightning-fit-other-optimizer", "Lightning's fit(ckpt_path) of a lightscale checkpoint with another optimizer",
+     _fit_with_another_optimizer, CE, r"optimizer 0 is SGD in the checkpoint and Adam in this run"),
+    ("lightning-fit-no-optimizer-state", "Lightning's fit(ckpt_path) of a checkpoint without optimizer state in "
+     "torch's terms (DiLoCo, DeepSpeed's own directory)",
+     lambda: _fit_with_another_optimizer("d.ckpt (written by DiLoCoStrategy) holds no optimizer state"), CE,
+     r"cannot restore the optimizers here\. Resume it under a lightscale strategy"),
     ("diloco-sync-every", "DiLoCo sync_every below 1", lambda: _diloco(sync_every=0), CE,
      r"sync_every=0 is not valid; it must be an integer >= 1"),
     ("diloco-fragments", "DiLoCo fragments not dividing sync_every", lambda: _diloco(sync_every=10, fragments=3), CE,
@@ -557,6 +608,14 @@ CATALOGUE: list[tuple] = [
     ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
      lambda: _diloco(mode="local_sgd", compression="int8"), CE,
      r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
+    ("batch-check-every", "check_batches_every below 1", lambda: _p3d(tp=2, check_batches_every=0), CE,
+     r"check_batches_every=0 is not valid: use a positive number of training steps.*or None"),
+    ("batches-disagree", "ranks of one data shard (tp, pp) given different batches (a dataset sharded by get_rank())",
+     _batches_disagree, CE,
+     r"ranks \[0, 1\] of a tensor-parallel group \(tp\).*ranks \[0, 2\] of a pipeline-parallel group \(pp\)"
+     r".*lightscale\.data_shard\(\)"),
+    ("data-shard-env", "LIGHTSCALE_DATA_SHARD_INDEX/COUNT set by hand to a non-shard", _bad_data_shard_env, CE,
+     r"LIGHTSCALE_DATA_SHARD_INDEX='4' and LIGHTSCALE_DATA_SHARD_COUNT='4'.*0 <= index < count"),
 ]
 # fmt: on
 

@@ -52,6 +52,8 @@ PRIVATE_APIS = [
     ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler._unscale_grads_", "MixedTensorGradScaler"),
     ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", "precision plugin dtype test"),
     ("lightning.pytorch.utilities.data", "_update_dataloader", "ExactlyOnceSampler replaces the padding sampler"),
+    ("lightning.pytorch.core.saving", "pl_load", "load_from_checkpoint reads lightscale directories (hooked)"),
+    ("lightning.fabric.plugins.io.torch_io", "pl_load", "Lightning's Trainer reads lightscale directories (hooked)"),
     (
         "lightning.pytorch.trainer.connectors.accelerator_connector",
         "_AcceleratorConnector._check_config_and_set_final_flags",

@@ -1,0 +1,92 @@
+"""``lightscale consolidate CKPT OUT.ckpt [--with-optimizer]``: any lightscale checkpoint as one ordinary Lightning
+checkpoint file, which plain Lightning loads without lightscale installed.
+
+The output is what Lightning's own single-device strategy writes: ``state_dict`` under the LightningModule's keys,
+``hyper_parameters``, loops, callbacks and LR schedulers, and with ``--with-optimizer`` each optimizer's
+``state_dict()`` (torch's format: ``fit(ckpt_path=OUT)`` resumes); without it ``load_from_checkpoint``,
+``validate``/``test``/``predict(ckpt_path=OUT)`` work and the file holds no optimizer state. Read by
+lightscale/checkpoint/lightning_format.py (nothing in the input runs code), written atomically. Peak memory: the full
+weights plus the piece of a tensor being read, and the optimizer state only with ``--with-optimizer``.
+
+Example:
+    $ lightscale consolidate checkpoints/last.ckpt model.ckpt
+    >>> MyModel.load_from_checkpoint("model.ckpt")  # in a process without lightscale
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Imported for their allow-list entries: the recipes' config classes (saved in hyper-parameters) load weights-only
+# once their modules are imported, and consolidate reads hyper-parameters in a process that imported no recipe.
+import lightscale.recipes.clip.module
+import lightscale.recipes.gpt.module
+import lightscale.recipes.vit.module  # noqa: F401
+from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.lightning_format import is_lightscale_directory, lightning_checkpoint
+from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
+from lightscale.checkpoint.safe_io import checkpoint_safe_globals, save_atomically
+from lightscale.errors import ConfigurationError
+
+WITHOUT_OPTIMIZER = "consolidated without --with-optimizer"
+
+
+def consolidate(
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, with_optimizer: bool = False, averaged: bool = True
+) -> dict:
+    """Write ``checkpoint`` (a lightscale directory or a single Lightning file) as the Lightning file ``output``;
+    returns what was written."""
+    path = complete_checkpoint(Path(checkpoint))
+    if is_lightscale_directory(path):
+        result = lightning_checkpoint(path, optimizer=with_optimizer, averaged=averaged)
+    elif path.is_file():
+        result = _read_file(path)
+    else:
+        raise ConfigurationError(
+            f"{path} is neither a lightscale checkpoint directory (.metadata, or DeepSpeed's checkpoint/) nor a "
+            "checkpoint file; consolidate reads what a lightscale strategy saved."
+        )
+    consolidated = result.setdefault("lightscale", {}).setdefault("consolidated", {"optimizers": None, "missing": None})
+    if with_optimizer and consolidated["missing"] is not None:
+        raise ConfigurationError(f"{consolidated['missing']}; consolidate it without --with-optimizer.")
+    if not with_optimizer:
+        result.pop("optimizer_states", None)
+        consolidated["missing"] = f"{output} was {WITHOUT_OPTIMIZER}"
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    save_atomically(result, Path(output))
+    return result
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise UnsafeCheckpointError(f"Refusing to read {path}: it is not weights-only data. ({first_line})") from None
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
+        raise ConfigurationError(f"{path} is not a Lightning checkpoint (no 'state_dict'); consolidate cannot read it.")
+    return loaded
+
+
+def consolidate_command(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightscale consolidate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
+    parser.add_argument("output", help="the Lightning checkpoint file to write (e.g. model.ckpt)")
+    parser.add_argument("--with-optimizer", action="store_true", help="include the optimizer state (fit can resume)")
+    parser.add_argument("--raw", action="store_true", help="leave a WeightAveraging average out: the raw weights")
+    parsed = parser.parse_args(args)
+    try:
+        result = consolidate(
+            parsed.checkpoint, parsed.output, with_optimizer=parsed.with_optimizer, averaged=not parsed.raw
+        )
+    except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
+        raise SystemExit(f"error: {error}") from None
+    optimizers = len(result.get("optimizer_states", []))
+    print(f"wrote {parsed.output}: {len(result['state_dict'])} tensors, {optimizers} optimizer state(s)")
