@@ -276,6 +276,13 @@ def check_memory_profiler(deadline: float) -> Result:
     return result
 
 
+def check_cp_kernels(deadline: float) -> Result:
+    found = isolated("gpu_cp_kernels:cp_block_kernels", timeout=deadline - time.monotonic())
+    if "error" in found:
+        return Result("cp_kernels", "fail", errors=[f"cp_block_kernels: {found['error']}"])
+    return Result("cp_kernels", "pass", rows=found["rows"], notes=found["notes"])
+
+
 CHECKS = [  # most valuable first (/work/shared/GPU.md): a later check gets what is left of the 9 minutes
     Check("environment", "package versions; requirements the machine does not meet", 20, check_environment),
     Check("deepspeed_ops", "JIT-build DeepSpeed's CPU Adam once, before any offload run", 90, check_deepspeed_ops),
@@ -285,6 +292,7 @@ CHECKS = [  # most valuable first (/work/shared/GPU.md): a later check gets what
     Check("mfu", "GPT-2 124M tokens/s and MFU: fsdp2 + per-block compile, bucketed_ddp", 110, check_mfu),
     Check("offload", "largest GPT under zero3_offload / under zero3 (time-bounded search)", 80, check_offload),
     Check("estimate", "lightscale.estimate vs torch.cuda.max_memory_allocated, 5 configurations", 60, check_estimate),
+    Check("cp_kernels", "a CP block fwd+bwd by each fused CUDA op ÷ SDPA over the block", 30, check_cp_kernels),
 ]  # fmt: skip
 
 

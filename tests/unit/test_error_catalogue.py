@@ -301,6 +301,13 @@ def _cp_moe(**moe):
     check_context_parallel_moe(module, cp=2)
 
 
+def _cp_kernel_on_meta() -> object:
+    from lightscale.parallel.context_parallel.kernels import choose_kernel
+
+    q = torch.empty(1, 2, 8, 4, device="meta")
+    return choose_kernel(q, q, q)
+
+
 def _cp_masked_attention():
     from lightscale.parallel.context_parallel import ContextParallelAttention
 
@@ -417,6 +424,8 @@ CATALOGUE: list[tuple] = [
      cp=4, tp=2, mode="ulysses"), CE, r"heads/tp = 2 and kv_heads/tp = 2 \(tp=2\) do not divide by 4"),
     ("cp-mask", "an attention mask tensor under cp", _cp_masked_attention, CE,
      r"is_causal=True or no mask.*attn_mask tensor of shape \(8, 8\) \(dtype torch.bool\)"),
+    ("cp-device", "ring/allgather attention on a device with no fused log-sum-exp op", _cp_kernel_on_meta, CE,
+     r"runs on CPU or CUDA tensors; got device meta.*mode='ulysses'"),
     ("cp-no-attention", "a model that never calls F.scaled_dot_product_attention under cp", _cp_no_attention, CE,
      r"MyModel called it nowhere during the first training step.*scaled_dot_product_attention"),
     ("cp-batch", "a batch without a sequence dimension under cp", _cp_batch, CE,

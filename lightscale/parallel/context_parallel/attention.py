@@ -4,17 +4,20 @@ Each rank holds two chunks of the sequence (:mod:`.layout`) for q, k and v, shap
 
 - ``ring``: the K/V block travels around the ring, ``cp - 1`` point-to-point hops; the next hop is in flight while
   the current block is computed. Backward sends the K/V blocks around again (``cp - 1`` hops) with the dK/dV
-  accumulated for each block travelling one hop behind it (``cp`` hops: the last one brings each rank its own).
+  accumulated for each block travelling one hop behind it (``cp`` hops: the last one brings each rank its own),
+  both in flight while the next block's gradients are computed.
   Saved for backward: this rank's q, k, v, output and log-sum-exp only (ring-flash-attention's design).
-- ``allgather``: K/V gathered once per layer (one all-gather), attended in one pass; backward reduce-scatters
-  dK/dV. Saved for backward: the whole sequence's K/V (no second gather), q, the output and log-sum-exp.
+- ``allgather``: K/V gathered once per layer (one all-gather), put in sequence order, attended in a few calls;
+  backward reduce-scatters dK/dV. Saved for backward: the whole sequence's K/V (no second gather), q, the output and
+  log-sum-exp.
 - ``ulysses``: all-to-all from sequence shards to head shards for q, k and v, torch's own (fused)
   ``scaled_dot_product_attention`` over the whole sequence on ``H / cp`` heads, all-to-all of the output back;
   backward the four reverse all-to-alls. Heads must divide by cp.
 
-Ring and allgather compute blocks without autograd and merge them by log-sum-exp in fp32 (:mod:`.blocks`); their
-backward is written out (an autograd function each): every block's probabilities are recomputed from the merged
-log-sum-exp, so no block's score matrix is kept (memory O(local tokens), not O(block²)).
+Ring and allgather compute blocks without autograd, each by torch's fused SDPA op that returns the log-sum-exp
+(:mod:`.kernels`: flash-for-CPU on CPU; flash, memory-efficient or cuDNN on CUDA), and merge them by log-sum-exp in
+fp32 (:mod:`.blocks`); their backward is written out (an autograd function each): every block's backward op takes
+the merged output and log-sum-exp, so no block's score matrix is ever kept (memory O(local tokens), not O(block²)).
 
 Example:
     >>> out = context_parallel_attention(q, k, v, group, mode="ring", is_causal=True)
@@ -49,9 +52,11 @@ from lightscale.parallel.context_parallel.comm import (
     reduce_scatter_along,
     send_to_next,
 )
+from lightscale.parallel.context_parallel.kernels import choose_kernel
 from lightscale.parallel.context_parallel.layout import Layout, check_sequence_length, chunk_ranges, local_positions
 
 Mode = Literal["ring", "allgather", "ulysses"]
+_KV, _DKV = 0, 1  # point-to-point tags: a K/V hop and a dK/dV hop may be in flight between the same ranks
 MODES: tuple[str, ...] = ("ring", "allgather", "ulysses")
 
 
@@ -76,6 +81,7 @@ def context_parallel_attention(
     if mode == "ulysses":
         return _ulysses(q, k, v, group, seq_len, layout=layout, causal=is_causal, scale=scale, gqa=enable_gqa)
     shape = _Shape(group, seq_len, layout, is_causal, scale)
+    shape.kernel = choose_kernel(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]))
     function = _RingAttention if mode == "ring" else _AllGatherAttention
     return function.apply(q, k, v, shape)
 
@@ -111,6 +117,12 @@ class _Shape:
     def __init__(self, group: ProcessGroup, seq_len: int, layout: Layout, causal: bool, scale: float) -> None:
         self.group, self.seq_len, self.layout, self.causal, self.scale = group, seq_len, layout, causal, scale
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.kernel = "flash_cpu"  # the fused op of every block (kernels.choose_kernel)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~.blocks.attend` and :func:`~.blocks.attend_backward`."""
+        return {"causal": self.causal, "scale": self.scale, "kernel": self.kernel}
 
     def ranges(self, rank: int) -> list[Range]:
         return chunk_ranges(self.seq_len, self.cp, rank, self.layout)
@@ -118,6 +130,17 @@ class _Shape:
     def all_ranges(self) -> list[Range]:
         """Chunk ranges of the whole sequence as gathered in rank order."""
         return [chunk for rank in range(self.cp) for chunk in self.ranges(rank)]
+
+    def in_order(self, gathered: Tensor) -> Tensor:
+        """The chunks of a tensor gathered in rank order (along dim -2) put in sequence order: each query chunk then
+        sees the keys before it as one run (one kernel call)."""
+        chunks = dict(zip(self.all_ranges(), gathered.chunk(2 * self.cp, dim=-2), strict=True))
+        return torch.cat([chunks[r] for r in sorted(chunks)], dim=-2)
+
+    def in_rank_order(self, ordered: Tensor) -> Tensor:
+        """The inverse of :meth:`in_order`."""
+        chunks = dict(zip(sorted(self.all_ranges()), ordered.chunk(2 * self.cp, dim=-2), strict=True))
+        return torch.cat([chunks[r] for r in self.all_ranges()], dim=-2)
 
 
 def _expand(kv: Tensor, heads: int) -> Tensor:
@@ -137,8 +160,7 @@ def _kv_blocks(kv: Tensor, k_dim: int, heads: int) -> tuple[Tensor, Tensor]:
 
 
 def _output_grad(grad: Tensor, out: Tensor, lse: Tensor) -> OutputGrad:
-    grad = grad.float()
-    return OutputGrad(grad, (grad * out.float()).sum(-1), lse)
+    return OutputGrad(grad.to(out.dtype), out, lse)
 
 
 def sdpa_layout(out: Tensor, dtype: torch.dtype) -> Tensor:
@@ -156,11 +178,11 @@ class _RingAttention(torch.autograd.Function):
         acc: list[Partial | None] = [None] * len(q_ranges)
         pending = Pending()
         for step in range(shape.cp):
-            incoming = send_to_next(kv, shape.group, pending) if step < shape.cp - 1 else None
+            incoming = send_to_next(kv, shape.group, pending, tag=_KV) if step < shape.cp - 1 else None
             k_ranges = shape.ranges((shape.rank - step) % shape.cp)
             if attends(q_ranges, k_ranges, causal=shape.causal):
                 block_k, block_v = _kv_blocks(kv, k.shape[-1], heads)
-                acc = attend(q, q_ranges, block_k, block_v, k_ranges, acc, causal=shape.causal, scale=shape.scale)
+                acc = attend(q, q_ranges, block_k, block_v, k_ranges, acc, **shape.options)
             pending.wait()
             kv = incoming
         merged = finish(acc)
@@ -174,60 +196,81 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shape: _Shape = ctx.shape
         q_ranges, output = shape.ranges(shape.rank), _output_grad(grad, out, lse)
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=lse.dtype)
         kv = torch.cat([k, v], dim=-1)
-        dkv = torch.zeros_like(kv, dtype=torch.float32)  # the gradient of the block held, travelling with it
-        pending = Pending()
+        mine = torch.zeros_like(kv, dtype=lse.dtype)  # this rank's gradient of the block it holds
+        dkv = mine  # the gradient of the block held, from every rank it visited; travels one hop behind it
+        kv_hop, dkv_hop = Pending(), Pending()
         for step in range(shape.cp):
-            incoming = send_to_next(kv, shape.group, pending) if step < shape.cp - 1 else None
+            incoming = send_to_next(kv, shape.group, kv_hop, tag=_KV) if step < shape.cp - 1 else None
             k_ranges = shape.ranges((shape.rank - step) % shape.cp)
-            if attends(q_ranges, k_ranges, causal=shape.causal):
-                block_k, block_v = _kv_blocks(kv, k.shape[-1], q.shape[1])
-                grads = attend_backward(
-                    q, q_ranges, block_k, block_v, k_ranges, output, causal=shape.causal, scale=shape.scale
-                )
-                dq += grads[0]
-                dkv += torch.cat([_fold(grads[1], k.shape[1]), _fold(grads[2], v.shape[1])], dim=-1)
-            pending.wait()
-            kv = incoming
+            computed = attends(q_ranges, k_ranges, causal=shape.causal)
+            if computed:
+                _backward_into(q, q_ranges, kv, k_ranges, output, dq, mine, shape, k_dims=(k.shape[1], k.shape[-1]))
+            dkv_hop.wait()  # the previous rank's gradient of this block arrived while this one's was computed
+            if step > 0 and computed:
+                dkv += mine
             # The block moves on to the next rank with its gradient so far; after cp moves each is home.
-            dkv = send_to_next(dkv, shape.group, pending)
-            pending.wait()
+            sent, dkv = dkv, send_to_next(dkv, shape.group, dkv_hop, tag=_DKV)
+            if sent is mine:  # in flight: the next steps need a buffer of their own
+                mine = torch.zeros_like(mine)
+            kv_hop.wait()
+            kv = incoming
+        dkv_hop.wait()
         dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _backward_into(
+    q: Tensor,
+    q_ranges: list[Range],
+    kv: Tensor,
+    k_ranges: list[Range],
+    output: OutputGrad,
+    dq: Tensor,
+    dkv: Tensor,
+    shape: _Shape,
+    *,
+    k_dims: tuple[int, int],
+) -> None:
+    """Add this block's gradients into ``dq`` and ``dkv`` (zeroed first: it holds one block's gradient); grouped
+    key/value heads get their gradients summed from the query heads'."""
+    (k_heads, k_dim), heads = k_dims, q.shape[1]
+    block_k, block_v = _kv_blocks(kv, k_dim, heads)
+    dkv.zero_()
+    dk, dv = dkv.split([k_dim, dkv.shape[-1] - k_dim], dim=-1)
+    if k_heads == heads:
+        attend_backward(q, q_ranges, block_k, block_v, k_ranges, output, (dq, dk, dv), **shape.options)
+        return
+    dk_heads, dv_heads = torch.zeros_like(block_k, dtype=dq.dtype), torch.zeros_like(block_v, dtype=dq.dtype)
+    attend_backward(q, q_ranges, block_k, block_v, k_ranges, output, (dq, dk_heads, dv_heads), **shape.options)
+    dk += _fold(dk_heads, k_heads)
+    dv += _fold(dv_heads, k_heads)
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shape: _Shape) -> Tensor:
-        kv = all_gather_along(torch.cat([k, v], dim=-1), shape.group, dim=-2)
+        kv = shape.in_order(all_gather_along(torch.cat([k, v], dim=-1), shape.group, dim=-2))
         full_k, full_v = _kv_blocks(kv, k.shape[-1], q.shape[1])
         acc: list[Partial | None] = [None, None]
-        q_ranges = shape.ranges(shape.rank)
-        acc = attend(q, q_ranges, full_k, full_v, shape.all_ranges(), acc, causal=shape.causal, scale=shape.scale)
-        merged = finish(acc)
+        q_ranges, k_ranges = shape.ranges(shape.rank), sorted(shape.all_ranges())
+        merged = finish(attend(q, q_ranges, full_k, full_v, k_ranges, acc, **shape.options))
         out = sdpa_layout(merged.out, q.dtype)
         ctx.save_for_backward(q, kv, out, merged.lse)  # the whole sequence's K/V: no second gather
-        ctx.shape, ctx.dims = shape, (k.shape[1], k.shape[-1], v.shape[1])
+        ctx.shape, ctx.k_dims = shape, (k.shape[1], k.shape[-1])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, kv, out, lse = ctx.saved_tensors
         shape: _Shape = ctx.shape
-        k_heads, k_dim, v_heads = ctx.dims
-        full_k, full_v = _kv_blocks(kv, k_dim, q.shape[1])
-        dq, dk, dv = attend_backward(
-            q,
-            shape.ranges(shape.rank),
-            full_k,
-            full_v,
-            shape.all_ranges(),
-            _output_grad(grad, out, lse),
-            causal=shape.causal,
-            scale=shape.scale,
-        )
-        dkv = reduce_scatter_along(torch.cat([_fold(dk, k_heads), _fold(dv, v_heads)], dim=-1), shape.group, dim=-2)
+        k_dim = ctx.k_dims[1]
+        q_ranges, k_ranges = shape.ranges(shape.rank), sorted(shape.all_ranges())
+        output, dq = _output_grad(grad, out, lse), torch.zeros_like(q, dtype=lse.dtype)
+        dkv = torch.zeros_like(kv, dtype=lse.dtype)
+        _backward_into(q, q_ranges, kv, k_ranges, output, dq, dkv, shape, k_dims=ctx.k_dims)
+        dkv = reduce_scatter_along(shape.in_rank_order(dkv), shape.group, dim=-2)
         dk, dv = dkv.split([k_dim, dkv.shape[-1] - k_dim], dim=-1)
         return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None
 

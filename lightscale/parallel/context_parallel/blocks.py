@@ -1,22 +1,22 @@
-"""Attention of query chunks against key/value chunks, merged by log-sum-exp: the arithmetic every mode shares.
+"""Attention of query chunks against key/value chunks by a fused SDPA op, merged by log-sum-exp: the arithmetic ring
+and allgather share.
 
 Tokens come in chunks of the global sequence (:mod:`.layout`), each known by its global ``[start, end)``. Under a
 causal mask a (query chunk, key chunk) pair is either skipped (every key after every query), computed in full
-(every key before every query) or computed with the lower-triangular mask (the same chunk): skipping is what
-makes the zigzag layout balanced. Each pair gives a partial output and the log-sum-exp of its scores; partials of
-the same query rows merge exactly, in fp32::
+(every key before every query) or computed with the causal mask (the same chunk): skipping is what makes the zigzag
+layout balanced. :func:`plan` groups the pairs into as few kernel calls as the mask allows (a rank's own chunks in
+one causal call; a rectangle of full pairs in one call), each by the fused op of :mod:`.kernels`, which returns the
+output and the log-sum-exp of its scores without keeping a score matrix. Partials of the same query rows merge
+exactly, in fp32::
 
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
 Forward runs without autograd (:func:`attend`, :func:`finish`): the attention functions of :mod:`.attention` keep
-only q, k, v, the merged output and its log-sum-exp for backward, and :func:`attend_backward` recomputes each
-block's probabilities from the *final* log-sum-exp (flash attention's backward)::
-
-    P = exp(S - lse)    dV = Pᵀ dO    dP = dO Vᵀ    dS = P ∘ (dP - rowsum(dO ∘ O))
-    dQ = dS K·scale     dK = dSᵀ Q·scale
-
-which is exact: ``P`` of a block under the final ``lse`` is that block's share of the merged softmax.
+only q, k, v, the merged output and its log-sum-exp for backward, and :func:`attend_backward` runs each call's
+backward op with the *merged* output and log-sum-exp (flash attention's backward recomputes ``P = exp(S - lse)``
+inside the kernel), which is exact: ``P`` of a block under the final ``lse`` is that block's share of the merged
+softmax. The plain fp32 arithmetic these kernels replace is the reference of the tests (tests/attention_reference.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightscale.parallel.context_parallel.kernels import block_backward, block_forward
+
 Range = tuple[int, int]
 
 
@@ -34,17 +36,6 @@ class Partial(NamedTuple):
 
     out: Tensor  # (..., Lq, Dv) fp32
     lse: Tensor  # (..., Lq) fp32
-
-
-def block_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, diagonal: bool) -> Partial:
-    """Softmax attention of ``q`` over ``k``/``v`` in fp32; ``diagonal``: q and k are the same chunk (causal)."""
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if diagonal:
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
-    return Partial(out, lse)
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -64,6 +55,61 @@ def pair_kind(q_range: Range, k_range: Range, *, causal: bool) -> str:
     return "diagonal"
 
 
+class Call(NamedTuple):
+    """One kernel call: query chunks ``[q_first, q_end)`` against key chunks ``[k_first, k_end)`` (local indices)."""
+
+    q_first: int
+    q_end: int
+    k_first: int
+    k_end: int
+    causal: bool
+
+
+def plan(q_ranges: list[Range], k_ranges: list[Range], *, causal: bool) -> list[Call]:
+    """The kernel calls that cover every non-skipped (query chunk, key chunk) pair exactly once."""
+    if causal and q_ranges == k_ranges and q_ranges == sorted(q_ranges):
+        # A rank's own chunks, in ascending order: the top-left causal mask over them is the global one.
+        return [Call(0, len(q_ranges), 0, len(k_ranges), True)]
+    calls: list[Call] = []
+    for i, q_range in enumerate(q_ranges):
+        kinds = [pair_kind(q_range, k_range, causal=causal) for k_range in k_ranges]
+        j = 0
+        while j < len(kinds):
+            end = j + 1
+            while kinds[j] == "full" and end < len(kinds) and kinds[end] == "full":
+                end += 1  # a run of full key chunks: one call
+            if kinds[j] != "skip":
+                calls.append(Call(i, i + 1, j, end, kinds[j] == "diagonal"))
+            j = end
+    return _join_rows(calls)
+
+
+def _join_rows(calls: list[Call]) -> list[Call]:
+    """Adjacent query chunks that see the same key chunks in full share one call (the ring's rectangles)."""
+    joined: list[Call] = []
+    for call in calls:
+        last = joined[-1] if joined else None
+        same_keys = last is not None and (last.k_first, last.k_end) == (call.k_first, call.k_end)
+        if same_keys and last is not None and not (last.causal or call.causal) and last.q_end == call.q_first:
+            joined[-1] = last._replace(q_end=call.q_end)
+        else:
+            joined.append(call)
+    return joined
+
+
+def _offsets(ranges: list[Range]) -> list[int]:
+    """Where each chunk starts along the local sequence dimension, and the end."""
+    offsets = [0]
+    for start, end in ranges:
+        offsets.append(offsets[-1] + end - start)
+    return offsets
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for the merge and the gradient sums (fp64 inputs stay fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def attend(
     q: Tensor,
     q_ranges: list[Range],
@@ -74,21 +120,22 @@ def attend(
     *,
     causal: bool,
     scale: float,
+    kernel: str,
 ) -> list[Partial | None]:
     """Merge into ``acc`` (one entry per query chunk) the attention of each query chunk over the key chunks.
 
     ``q`` is ``(B, H, Lq, D)``, ``k``/``v`` ``(B, H, Lk, D)`` with the chunks laid end to end along dim -2.
     """
-    q_chunks = q.split([end - start for start, end in q_ranges], dim=-2)
-    sizes = [end - start for start, end in k_ranges]
-    kv_chunks = list(zip(k.split(sizes, dim=-2), v.split(sizes, dim=-2), k_ranges, strict=True))
-    acc = list(acc)
-    for i, (q_chunk, q_range) in enumerate(zip(q_chunks, q_ranges, strict=True)):
-        for k_chunk, v_chunk, k_range in kv_chunks:
-            kind = pair_kind(q_range, k_range, causal=causal)
-            if kind == "skip":
-                continue
-            part = block_attention(q_chunk, k_chunk, v_chunk, scale=scale, diagonal=kind == "diagonal")
+    acc, dtype = list(acc), accumulation_dtype(q.dtype)
+    qo, ko = _offsets(q_ranges), _offsets(k_ranges)
+    for call in plan(q_ranges, k_ranges, causal=causal):
+        rows, keys = slice(qo[call.q_first], qo[call.q_end]), slice(ko[call.k_first], ko[call.k_end])
+        q_rows, k_rows, v_rows = q[..., rows, :], k[..., keys, :], v[..., keys, :]
+        out, lse = block_forward(kernel, q_rows, k_rows, v_rows, causal=call.causal, scale=scale)
+        chunks = range(call.q_first, call.q_end)
+        sizes = [qo[i + 1] - qo[i] for i in chunks]
+        for i, part_out, part_lse in zip(chunks, out.split(sizes, -2), lse.split(sizes, -1), strict=True):
+            part = Partial(part_out.to(dtype), part_lse.to(dtype))
             acc[i] = part if acc[i] is None else merge(acc[i], part)
     return acc
 
@@ -106,16 +153,12 @@ def attends(q_ranges: list[Range], k_ranges: list[Range], *, causal: bool) -> bo
 
 
 class OutputGrad(NamedTuple):
-    """What every block's backward needs of the merged output: its gradient ``dO``, ``delta = rowsum(dO ∘ O)`` and
-    the final log-sum-exp (query rows in local order, fp32)."""
+    """What every block's backward needs of the merged output: the output, its gradient (both in the inputs'
+    dtype, laid out alike) and the merged log-sum-exp (query rows in local order)."""
 
     grad: Tensor  # (..., Lq, Dv)
-    delta: Tensor  # (..., Lq)
+    out: Tensor  # (..., Lq, Dv)
     lse: Tensor  # (..., Lq)
-
-    def chunks(self, rows: list[int]) -> list[OutputGrad]:
-        grads, deltas = self.grad.split(rows, dim=-2), self.delta.split(rows, dim=-1)
-        return [OutputGrad(*part) for part in zip(grads, deltas, self.lse.split(rows, dim=-1), strict=True)]
 
 
 def attend_backward(
@@ -125,30 +168,28 @@ def attend_backward(
     v: Tensor,
     k_ranges: list[Range],
     output: OutputGrad,
+    grads: tuple[Tensor, Tensor, Tensor],
     *,
     causal: bool,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 gradients (dq, dk, dv) of the merged attention's output through the key chunks of ``k``/``v`` (shapes
-    as in :func:`attend`)."""
-    rows = [end - start for start, end in q_ranges]
-    q_chunks, out_chunks = q.float().split(rows, dim=-2), output.chunks(rows)
-    sizes = [end - start for start, end in k_ranges]
-    k_chunks, v_chunks = k.float().split(sizes, dim=-2), v.float().split(sizes, dim=-2)
-    dq = [torch.zeros_like(chunk) for chunk in q_chunks]
-    dk, dv = [torch.zeros_like(chunk) for chunk in k_chunks], [torch.zeros_like(chunk) for chunk in v_chunks]
-    for i, (q_range, o) in enumerate(zip(q_ranges, out_chunks, strict=True)):
-        for j, k_range in enumerate(k_ranges):
-            kind = pair_kind(q_range, k_range, causal=causal)
-            if kind == "skip":
-                continue
-            scores = (q_chunks[i] @ k_chunks[j].transpose(-2, -1)) * scale
-            if kind == "diagonal":
-                keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-                scores = scores.masked_fill(~keep, float("-inf"))
-            probs = torch.exp(scores - o.lse.unsqueeze(-1))  # this block's share of the merged softmax
-            dv[j] += probs.transpose(-2, -1) @ o.grad
-            dscores = probs * (o.grad @ v_chunks[j].transpose(-2, -1) - o.delta.unsqueeze(-1))
-            dq[i] += (dscores @ k_chunks[j]) * scale
-            dk[j] += (dscores.transpose(-2, -1) @ q_chunks[i]) * scale
-    return torch.cat(dq, dim=-2), torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)
+    kernel: str,
+) -> None:
+    """Add into ``grads`` (dq, dk, dv: fp32, shaped as q, k and v) the gradients of the merged attention's output
+    through the key chunks of ``k``/``v`` (shapes as in :func:`attend`); adding in place keeps no per-block copies."""
+    qo, ko = _offsets(q_ranges), _offsets(k_ranges)
+    for call in plan(q_ranges, k_ranges, causal=causal):
+        rows, keys = slice(qo[call.q_first], qo[call.q_end]), slice(ko[call.k_first], ko[call.k_end])
+        block = block_backward(
+            kernel,
+            output.grad[..., rows, :],
+            q[..., rows, :],
+            k[..., keys, :],
+            v[..., keys, :],
+            output.out[..., rows, :],
+            output.lse[..., rows],
+            causal=call.causal,
+            scale=scale,
+        )
+        grads[0][..., rows, :] += block[0]
+        grads[1][..., keys, :] += block[1]
+        grads[2][..., keys, :] += block[2]

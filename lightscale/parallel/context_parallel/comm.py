@@ -43,15 +43,16 @@ class Pending:
         self.works.clear()
 
 
-def send_to_next(x: Tensor, group: ProcessGroup, pending: Pending) -> Tensor:
+def send_to_next(x: Tensor, group: ProcessGroup, pending: Pending, *, tag: int = 0) -> Tensor:
     """Send ``x`` to the next rank of the group and receive the previous rank's into the tensor returned, valid
-    after ``pending.wait()`` (one ``batch_isend_irecv``; the caller computes meanwhile)."""
+    after ``pending.wait()`` (one ``batch_isend_irecv``; the caller computes meanwhile). ``tag`` tells apart two
+    kinds of message in flight between the same ranks at once."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     x = x.contiguous()
     received = torch.empty_like(x)
     ops = [
-        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size),
+        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size, tag=tag),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
     ]
     pending.works.extend(dist.batch_isend_irecv(ops))
     return received
