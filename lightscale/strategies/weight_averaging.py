@@ -14,7 +14,8 @@ instance (its own class and ``should_update`` untouched) through the shard view.
 call order forces a trick here; the user's module is never modified.
 
 The portable checkpoint keeps the raw weights as ``model.*`` (resume and every loader unchanged) and the average
-as ``averaged.*``, sharded like the weights (DTensor shards, or whole tensors written once).
+as ``averaged.*``, sharded like the weights (DTensor shards, or whole tensors written once); single files follow
+Lightning's own convention (lightscale/checkpoint/averaged.py).
 
 Example (an EMA a user writes on the hooks, under any strategy)::
 
