@@ -33,7 +33,7 @@ from lightscale.parallel.fsdp import apply_fsdp, no_gradient_sync
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
-from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.weight_averaging import drop_average
 
 Inner = Literal["bucketed_ddp", "fsdp2"]
@@ -170,7 +170,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) != 1:
             raise ConfigurationError(
                 f"{type(self).__name__} runs one inner optimizer per worker; configure_optimizers returned "
-                f"{len(self.optimizers)}. Return one optimizer (one param group per part of the model if needed)."
+                f"{len(self.optimizers)}. {SEVERAL_OPTIMIZERS}"
             )
 
     @override

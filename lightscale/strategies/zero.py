@@ -38,7 +38,7 @@ from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
-from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.deepspeed_config import (
     ZeroOptions,
     build_config,
@@ -255,7 +255,7 @@ class ZeroStrategy(LightscaleStrategy):
         if len(optimizers) != 1 or len(schedulers) > 1:
             raise ConfigurationError(
                 f"The ZeRO strategies need exactly one optimizer and at most one LR scheduler; configure_optimizers "
-                f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s)."
+                f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s). {SEVERAL_OPTIMIZERS}"
             )
         optimizer = optimizers[0]
         check_zero_optimizer(optimizer)

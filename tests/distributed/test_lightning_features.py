@@ -5,11 +5,16 @@ here with everything at once: ``ModelCheckpoint(monitor="val_loss", save_top_k=2
 ``LearningRateMonitor`` on a step-wise ``StepLR``, gradient clipping, gradient accumulation, ``val_check_interval``,
 a torchmetrics metric, a CSV logger; then ``validate(ckpt_path="best")``, ``test(ckpt_path="last")``, ``predict`` and
 a resumed ``fit(ckpt_path="last")``. This process then loads the best checkpoint with ``load_from_checkpoint``.
+A second launch runs manual optimization with two optimizers (a small GAN): ``BucketedDDPStrategy(
+find_unused_parameters=True)`` trains it as one process does; bucketed_ddp without it, the ZeRO names and DiLoCo
+refuse it naming what works (docs/errors.md). fsdp2 runs it but does not match one process (a known bug, marked
+``xfail(strict=True)`` below: it fails at one rank too, with the same initial weights).
 """
 
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +115,84 @@ def _launch(root: Path) -> dict[str, Any]:
     return {name: _family(root, name) for name in FAMILIES}
 
 
+class TwoOptimizers(pl.LightningModule):
+    """A small GAN: the discriminator's step, then the generator's, each with its own SGD (manual optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator, self.discriminator = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        generator, discriminator = self.optimizers()
+        real = batch[0]
+        fake = self.generator(real)
+        loss = F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake.detach())).mean()
+        self.manual_backward(loss)
+        discriminator.step()
+        discriminator.zero_grad()
+        self.manual_backward(F.softplus(-self.discriminator(self.generator(real))).mean())
+        generator.step()
+        generator.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.generator.parameters(), lr=0.1),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.1),
+        )
+
+
+GAN_STEPS = 3
+MANUAL = {  # refusals last: they end their fit mid-way
+    "fsdp2": lambda: FSDP2Strategy(meta_init=False),  # the weights the module was built with, as in one process
+    "bucketed_ddp_find_unused": lambda: BucketedDDPStrategy(find_unused_parameters=True),
+    "zero2": lambda: ZeroStrategy(stage=2),
+    "diloco": lambda: DiLoCoStrategy(workers=2, sync_every=2),
+    "bucketed_ddp": BucketedDDPStrategy,
+}
+
+
+def _gan_data() -> TensorDataset:
+    """One global batch of 8, every epoch (the ranks split it): the same samples per step as one process."""
+    return TensorDataset(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+
+
+def _manual(name: str) -> dict[str, torch.Tensor] | str:
+    torch.manual_seed(0)
+    model = TwoOptimizers()
+    trainer = lightscale.Trainer(
+        strategy=MANUAL[name](), accelerator="cpu", devices=dist.get_world_size(), max_epochs=GAN_STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, DataLoader(_gan_data(), batch_size=8 // dist.get_world_size()))
+    except Exception as error:  # the refusal is the result
+        return f"{type(error).__name__}: {error}"
+    state = model.state_dict()
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state.items()}
+
+
+def _manual_launch() -> dict[str, Any]:
+    return {name: _manual(name) for name in MANUAL}
+
+
+def gan_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TwoOptimizers()
+    generator, discriminator = model.configure_optimizers()
+    model.optimizers = lambda: (generator, discriminator)  # type: ignore[method-assign]
+    model.manual_backward = lambda loss: loss.backward()  # type: ignore[method-assign]
+    for _ in range(GAN_STEPS):
+        model.training_step(_gan_data().tensors, 0)
+    return model.state_dict()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("features")
-    return {"root": root, **run_distributed(_launch, root, world_size=2, timeout_s=400)[0]}
+    results = run_distributed(_launch, root, world_size=2, timeout_s=400)[0]
+    manual = run_distributed(_manual_launch, world_size=2, timeout_s=300)[0]
+    return {"root": root, **results, "manual": manual}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -136,3 +215,34 @@ def test_logger_holds_the_step_wise_learning_rate_and_metrics(runs: dict[str, An
     rates = [float(row["lr-SGD"]) for row in rows if row.get("lr-SGD")]
     assert rates[:1] == [LR] and min(rates) == pytest.approx(LR * 0.5 ** ((STEPS - 1) // 2))
     assert any(row.get("val_acc") for row in rows) and any(row.get("train_loss") for row in rows)
+
+
+# Found here, not fixed: differs from the first step on, at world size 1 too, with equal initial weights. Inside
+# training_step (run inside the FSDP root's forward by the forward redirection) the module holds the unsharded plain
+# Parameters and a manual backward leaves its gradients there (seen: discriminator.weight is a Parameter with a grad
+# after manual_backward), while the optimizer steps the sharded DTensors, whose gradients FSDP2 writes only in its
+# post-backward, tied to the root forward's outputs.
+FSDP2_MANUAL_BUG = "fsdp2 + manual optimization with two optimizers differs from one process"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("fsdp2", marks=pytest.mark.xfail(strict=True, reason=FSDP2_MANUAL_BUG)), "bucketed_ddp_find_unused"],
+)
+def test_manual_optimization_with_two_optimizers_trains_as_one_process(runs: dict[str, Any], name: str) -> None:
+    trained, reference = runs["manual"][name], gan_reference()
+    assert not isinstance(trained, str), trained
+    for key, value in reference.items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("bucketed_ddp", r"received no gradient .*find_unused_parameters=True"),
+        ("zero2", r"need exactly one optimizer.*run under BucketedDDPStrategy\(find_unused"),
+        ("diloco", r"one inner optimizer per worker.*run under BucketedDDPStrategy\(find_unused"),
+    ],
+)
+def test_two_optimizers_are_refused_naming_what_works(runs: dict[str, Any], name: str, message: str) -> None:
+    assert isinstance(runs["manual"][name], str) and re.search(message, runs["manual"][name]), runs["manual"][name]

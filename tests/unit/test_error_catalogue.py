@@ -235,6 +235,23 @@ def _fit_with_another_optimizer(missing=None):
     check_optimizers(checkpoint, module, [torch.optim.Adam(module.parameters())])
 
 
+def _two_optimizers_under_zero():
+    import lightning.pytorch as pl
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    module = TwoOptimizers()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    _zero(stage=2)._optimizer_and_scheduler(module)
+
+
 def _forward_too_long():
     from lightscale.recipes.gpt import GPT
 
@@ -604,6 +621,10 @@ CATALOGUE: list[tuple] = [
      "torch's terms (DiLoCo, DeepSpeed's own directory)",
      lambda: _fit_with_another_optimizer("d.ckpt (written by DiLoCoStrategy) holds no optimizer state"), CE,
      r"cannot restore the optimizers here\. Resume it under a lightscale strategy"),
+    ("zero-two-optimizers", "two optimizers (e.g. manual optimization of a GAN) under a ZeRO name (at setup)",
+     _two_optimizers_under_zero, CE,
+     r"need exactly one optimizer.*returned 2 optimizer\(s\).*run under "
+     r"BucketedDDPStrategy\(find_unused_parameters=True\)"),
     ("diloco-sync-every", "DiLoCo sync_every below 1", lambda: _diloco(sync_every=0), CE,
      r"sync_every=0 is not valid; it must be an integer >= 1"),
     ("diloco-fragments", "DiLoCo fragments not dividing sync_every", lambda: _diloco(sync_every=10, fragments=3), CE,
