@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet ninja py-cpuinfo psutil pydantic hjson msgpack packaging numpy
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation deepspeed
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,hf]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,float8,hf]"
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a
 	@# first ZeRO-offload run would otherwise compile them inside its ranks, for minutes, under its timeouts.
 	$(BIN)/python -m lightscale.strategies.deepspeed_ops

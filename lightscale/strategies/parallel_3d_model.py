@@ -22,7 +22,7 @@ from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import prune_to, stage_ids, stage_ids_owner
 from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
-from lightscale.plugins.fsdp_precision import mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import float8_options, mp_policy, precision_name
 from lightscale.strategies.context_parallel_step import check_context_parallel_model, predict_refusal
 from lightscale.strategies.pipeline_step import PipelinedModule
 
@@ -69,6 +69,7 @@ def parallelize_part(
         compile=strategy.compile,
         mp_policy=policy,
         reshard_after_forward=not strategy.dims.pp_enabled,  # pipelines re-use weights across microbatches
+        float8=float8_options(strategy.precision_plugin),
     )
     parallelize_model(
         root,

@@ -283,6 +283,12 @@ def _stages(n_layer, stages):
     gpt_stage_modules(_cfg(n_layer=n_layer, tie_weights=False), stages)
 
 
+def _moe_layer(dim):
+    from lightscale.parallel.moe import MoE, MoEConfig
+
+    return MoE(dim, MoEConfig(n_experts=2))
+
+
 def _precision_section(name):
     from lightscale.strategies.deepspeed_config import precision_section
 
@@ -558,6 +564,20 @@ CATALOGUE: list[tuple] = [
     ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",
      lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="16-mixed"), CE,
      r"precision='16-mixed' cannot run under the zero strategies on cpu.*Valid precisions there: 32-true, bf16-mixed"),
+    ("float8-zero", "float8 under a ZeRO name",
+     lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="float8"), CE,
+     r"precision='float8' cannot run under the zero strategies on cpu: DeepSpeed.*Valid precisions there: 32-true"),
+    ("float8-cpu", "precision='float8' on CPU without torchao's emulation",
+     lambda: _lightscale().Trainer(strategy="fsdp2", accelerator="cpu", devices=1, precision="float8"), CE,
+     r"precision='float8' cannot run under the fsdp2 strategies on cpu.*emulate=True"),
+    ("float8-strategy", "float8 under a strategy with no float8 path (Lightning's auto)",
+     lambda: _lightscale().Trainer(accelerator="cpu", devices=1, precision="float8-rowwise"), CE,
+     r"precision='float8-rowwise' runs under the fsdp2 and parallel_3d strategies.*strategy='auto'"),
+    ("float8-name", "unknown Float8Precision name",
+     lambda: _lightscale().Float8Precision("fp8"), CE,
+     r"name='fp8' is not valid; choose one of float8, float8-rowwise"),
+    ("moe-expert-width", "MoE widths grouped GEMM cannot take (not multiples of 8)",
+     lambda: _moe_layer(20), ValueError, r"multiples of 8.*dim=20"),
     ("compression-bf16-true-fp16", "fp16 gradient compression of bf16-true gradients",
      lambda: _lightscale().Trainer(strategy=_fsdp2(compression="fp16"), accelerator="cpu", devices=1,
                                    precision="bf16-true"), CE,
