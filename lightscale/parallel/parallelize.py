@@ -38,6 +38,7 @@ class ParallelizeOptions:
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
     reshard_after_forward: bool = True
+    root_reshard_after_forward: bool = False  # manual optimization (lightscale/parallel/fsdp.py apply_fsdp)
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
 
 
@@ -81,5 +82,6 @@ def parallelize_model(
             offload_policy=options.offload_policy,
             reshard_after_forward=options.reshard_after_forward,
             ignored_params=ignored,
+            root_reshard_after_forward=options.root_reshard_after_forward,
         )
     return root

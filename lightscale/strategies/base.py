@@ -139,7 +139,7 @@ class LightscaleStrategy(ProcessStrategy):
         )
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
-        self._root: nn.Module | None = None  # where FSDP roots: the LightningModule itself makes steps go through it
+        self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule itself makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
@@ -281,12 +281,12 @@ class LightscaleStrategy(ProcessStrategy):
     def call_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Run the LightningModule's ``step``: through a wrapper's forward (DeepSpeed's engine), or through the
         module's own ``__call__`` when FSDP roots at it (its hooks gather the parameters); Lightning's forward
-        redirection does both."""
+        redirection does both. Under manual optimization FSDP never roots at it (``data_parallel_roots``)."""
         module = self.lightning_module
         assert module is not None and self.model is not None
         if self.model is not module:
             return self._forward_redirection(self.model, module, step, *args, **kwargs)
-        if self._root is module:
+        if any(root is module for root in self._roots):
             return self._forward_redirection(module, module, step, *args, **kwargs)
         return getattr(module, step)(*args, **kwargs)
 

@@ -26,10 +26,10 @@ from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, 
 from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
-from lightscale.parallel.contract import data_parallel_root, sharding_units
+from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
 from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
-from lightscale.parallel.fsdp import apply_fsdp, no_gradient_sync
+from lightscale.parallel.fsdp import apply_fsdp, contains_module, no_gradient_sync
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
@@ -145,9 +145,15 @@ class DiLoCoStrategy(LightscaleStrategy):
         broadcast_module_state(module)
         mesh = self.device_mesh
         if self.inner == "fsdp2":
-            self._root = data_parallel_root(module)
+            self._roots = data_parallel_roots(module, strategy=type(self).__name__)
             policy = mp_policy(precision_name(self.precision_plugin), "none")
-            apply_fsdp(self._root, mesh["dp_shard"], units=sharding_units(module), mp_policy=policy)
+            units = sharding_units(module)
+            for root in self._roots:
+                inside = [unit for unit in units if contains_module(root, unit)]
+                apply_fsdp(
+                    root, mesh["dp_shard"], units=inside, mp_policy=policy,
+                    root_reshard_after_forward=manual_optimization(module),
+                )  # fmt: skip
         elif self.dims.dp_shard > 1:
             self.reducer = BucketedGradReducer(module, process_group=mesh["dp_shard"].get_group())
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:

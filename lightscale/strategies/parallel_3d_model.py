@@ -16,7 +16,14 @@ from torch import nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.context_parallel import MODES as CP_MODES
-from lightscale.parallel.contract import check_hooks, has_hook, network_of, sharding_units, tp_plan_of
+from lightscale.parallel.contract import (
+    check_hooks,
+    has_hook,
+    manual_optimization,
+    network_of,
+    sharding_units,
+    tp_plan_of,
+)
 from lightscale.parallel.fsdp import contains_module
 from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
@@ -69,6 +76,7 @@ def parallelize_part(
         compile=strategy.compile,
         mp_policy=policy,
         reshard_after_forward=not strategy.dims.pp_enabled,  # pipelines re-use weights across microbatches
+        root_reshard_after_forward=manual_optimization(module) and not strategy.dims.pp_enabled,
     )
     parallelize_model(
         root,
