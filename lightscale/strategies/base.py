@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
 SEVERAL_OPTIMIZERS = (
     "Several optimizers (e.g. manual optimization of a GAN) run under BucketedDDPStrategy(find_unused_parameters=True) "
-    "(tested equal to one process); or use one optimizer with a parameter group per part of the model."
+    "or an FSDP2 name (fsdp2, hsdp, parallel_3d; tested equal to one process); or use one optimizer with a parameter "
+    "group per part of the model."
 )
 # Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
 REGISTERED: list[type[LightscaleStrategy]] = []
