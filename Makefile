@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
+# The [litdata] extra of pyproject.toml, installed in two steps (see $(STAMP)); keep the two in step.
+LITDATA := litdata>=0.2.50,<0.3
+LITDATA_DEPS := lightning-utilities filelock boto3 requests tifffile obstore
 
-.PHONY: venv demo test bench soak lint format clean gpu-wheels gpu-check
+.PHONY: venv demo test bench bench-diloco soak lint format clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -20,7 +23,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet ninja py-cpuinfo psutil pydantic hjson msgpack packaging numpy
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation deepspeed
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,float8,data]"
+	@# litdata without its torchvision requirement (which would pull another torch), then the packages it imports.
+	$(BIN)/pip install --quiet --no-deps "$(LITDATA)" && $(BIN)/pip install --quiet $(LITDATA_DEPS)
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a
 	@# first ZeRO-offload run would otherwise compile them inside its ranks, for minutes, under its timeouts.
 	$(BIN)/python -m lightscale.strategies.deepspeed_ops
@@ -36,6 +41,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+# Hours on CPU, outside `make bench`: DiLoCo's outer lr x momentum x H on the small GPT against DDP and local SGD.
+bench-diloco: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sweep_diloco.py
 
 # Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
 soak: $(STAMP)

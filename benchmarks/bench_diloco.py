@@ -47,18 +47,30 @@ class ValLosses(pl.Callback):
             self.curve.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
-def _train(settings: dict[str, Any] | None, steps: int, val_every: int, cache: str) -> dict[str, Any]:
+def _train(
+    settings: dict[str, Any] | None,
+    steps: int,
+    val_every: int,
+    cache: str,
+    *,
+    config: GPTConfig = CONFIG,
+    learning_rate: float = 3e-3,
+    warmup_steps: int = 20,
+    batch: int = BATCH,
+    val_batches: int = 8,
+) -> dict[str, Any]:
+    """One run on ``WORKERS`` ranks (DDP when ``settings`` is None); ``config`` and the rest: the model and data."""
     pl.seed_everything(0, verbose=False)
     strategy = BucketedDDPStrategy() if settings is None else DiLoCoStrategy(workers=WORKERS, **settings)
     monitor, losses = CommMonitor(every_n_steps=1, min_bytes=9), ValLosses()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORKERS, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        val_check_interval=val_every, limit_val_batches=8, check_val_every_n_epoch=None,
+        val_check_interval=val_every, limit_val_batches=val_batches, check_val_every_n_epoch=None,
         callbacks=[monitor, losses],
     )  # fmt: skip
-    module = GPTModule(CONFIG, learning_rate=3e-3, warmup_steps=20)
-    trainer.fit(module, GPTDataModule(block_size=CONFIG.block_size, batch_size=BATCH, cache_dir=cache))
+    module = GPTModule(config, learning_rate=learning_rate, warmup_steps=warmup_steps)
+    trainer.fit(module, GPTDataModule(block_size=config.block_size, batch_size=batch, cache_dir=cache))
     sent = sum(t.bytes for step in monitor.records for kind, t in step.items() if kind in ("all_reduce", "all_gather"))
     return {"curve": losses.curve, "bytes": sent}
 

@@ -10,7 +10,9 @@ All-to-all share: under ep2 the token all-to-alls (dispatch and combine, forward
 exchange are timed on each rank (until their result is ready, so waiting for the slower rank counts) and divided
 by the step time.
 
-    python benchmarks/bench_moe.py [--repeats 2] [--steps 6] [--experts 8] [--width 128]
+Run at 8, 32 and 64 experts by default (the routed experts' FFN by grouped GEMM on both sides).
+
+    python benchmarks/bench_moe.py [--repeats 2] [--steps 6] [--experts 8 32 64] [--width 128]
 """
 
 from __future__ import annotations
@@ -105,20 +107,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args()
-    global MOE, MODEL  # the forked ranks inherit them
-    MOE = dataclasses.replace(MOE, n_experts=args.experts)
-    MODEL = dataclasses.replace(MODEL, n_embd=args.width, moe=MOE)
     from lightscale.recipes.gpt.data import ByteTokenizer, default_cache_dir, tokenize_to_memmap
 
     cache = str(default_cache_dir())
     tokenize_to_memmap(None, default_cache_dir(), ByteTokenizer())
+    for n_experts in args.experts:
+        _compare(n_experts, args.width, args.steps, args.repeats, cache)
+
+
+def _compare(n_experts: int, width: int, steps: int, repeats: int, cache: str) -> None:
+    global MOE, MODEL  # the forked ranks inherit them
+    MOE = dataclasses.replace(MOE, n_experts=n_experts)
+    MODEL = dataclasses.replace(MODEL, n_embd=width, moe=MOE)
     times: dict[str, list[float]] = {"ep2": [], "fsdp2": []}
     shares: list[float] = []
-    for name in interleaved(list(times), args.repeats):
-        ranks = run_distributed(_fit, name, args.steps + WARMUP, cache, world_size=2, timeout_s=600)
+    for name in interleaved(list(times), repeats):
+        ranks = run_distributed(_fit, name, steps + WARMUP, cache, world_size=2, timeout_s=600)
         times[name].append(max(rank[0] for rank in ranks))
         if name == "ep2":
             shares.append(sum(rank[1] for rank in ranks) / len(ranks))

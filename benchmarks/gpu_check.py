@@ -166,6 +166,7 @@ def report_path() -> Path:
 
 
 # ---- the checks ----------------------------------------------------------------------------------------------------
+from gpu_moe_float8 import EXPERTS  # noqa: E402
 from gpu_workers import (  # noqa: E402 - the workers import torch; this file stays light for the plan and tests
     ESTIMATE_CONFIGS,
     MFU_RUNS,
@@ -241,6 +242,20 @@ def check_mfu(deadline: float) -> Result:
     return _rows_check("mfu", note, "measure_mfu", MFU_RUNS, deadline)
 
 
+def check_grouped_gemm(deadline: float) -> Result:
+    found = isolated("gpu_moe_float8:grouped_vs_loop", *EXPERTS.values(), timeout=deadline - time.monotonic())
+    if "error" in found:
+        return Result("grouped_gemm", "fail", errors=[f"grouped_vs_loop: {found['error']}"])
+    return Result("grouped_gemm", "pass", rows=[found], notes=["MoE experts' FFN, fwd + bwd, uneven groups (top 2)"])
+
+
+def check_float8(deadline: float) -> Result:
+    found = isolated("gpu_moe_float8:float8_vs_bf16", timeout=deadline - time.monotonic())
+    if "error" in found:
+        return Result("float8", "fail", errors=[f"float8_vs_bf16: {found['error']}"])
+    return Result("float8", "pass", rows=found["rows"], notes=found["notes"])
+
+
 def check_estimate(deadline: float) -> Result:
     note = "measured: torch.cuda.max_memory_allocated over 3 training steps"
     return _rows_check("estimate", note, "estimate_vs_measured", ESTIMATE_CONFIGS, deadline)
@@ -290,9 +305,12 @@ CHECKS = [  # most valuable first (/work/shared/GPU.md): a later check gets what
     Check("memory_profiler", "MemoryProfiler on CUDA (peak, snapshot, OOM report); pytest tests/gpu", 70,
           check_memory_profiler),
     Check("mfu", "GPT-2 124M tokens/s and MFU: fsdp2 + per-block compile, bucketed_ddp", 110, check_mfu),
+    Check("grouped_gemm", "MoE experts' FFN at 64 experts: grouped GEMM ÷ the per-expert loop, bf16", 30,
+          check_grouped_gemm),
+    Check("cp_kernels", "a CP block fwd+bwd by each fused CUDA op ÷ SDPA over the block", 30, check_cp_kernels),
+    Check("float8", "GPT-2 124M tokens/s, float8 ÷ bf16-mixed, fsdp2 + per-block compile", 100, check_float8),
     Check("offload", "largest GPT under zero3_offload / under zero3 (time-bounded search)", 80, check_offload),
     Check("estimate", "lightscale.estimate vs torch.cuda.max_memory_allocated, 5 configurations", 60, check_estimate),
-    Check("cp_kernels", "a CP block fwd+bwd by each fused CUDA op ÷ SDPA over the block", 30, check_cp_kernels),
 ]  # fmt: skip
 
 

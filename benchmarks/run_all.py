@@ -14,6 +14,7 @@ BENCHMARKS = [
     "bench_fsdp2.py",
     "bench_3d.py",
     "bench_moe.py",
+    "bench_experts.py",
     "context_parallel.py",
     "bench_clip.py",
     "bench_memory.py",

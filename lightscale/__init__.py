@@ -5,13 +5,24 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
+from lightscale import streams
 from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.parallel.data_shard import DataShard, data_shard
+from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
 __version__ = "0.1.0"
-__all__ = ["DataShard", "Trainer", "__version__", "data_shard", "register_strategies", "strategy_table"]
+__all__ = [
+    "DataShard",
+    "Float8Precision",
+    "Trainer",
+    "__version__",
+    "data_shard",
+    "register_strategies",
+    "strategy_table",
+    "streams",
+]
 
 register_strategies()
 check_strategy_in_lightning()

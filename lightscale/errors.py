@@ -1,4 +1,6 @@
-"""The error lightscale raises for bad settings, before any work starts."""
+"""The error lightscale raises for bad settings, before any work starts; the one for a missing optional extra."""
+
+from typing import Any
 
 
 class ConfigurationError(ValueError):
@@ -6,3 +8,15 @@ class ConfigurationError(ValueError):
 
     A ``ValueError`` so callers that catch that keep working; the CLI prints it without a traceback.
     """
+
+
+def import_extra(module: str, extra: str) -> Any:
+    """``module`` (an optional dependency), or an ImportError naming the lightscale extra that installs it.
+
+    Example:
+        >>> litdata = import_extra("litdata", "litdata")
+    """
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as err:
+        raise ImportError(f"{module} is not installed; install it with: pip install 'lightscale[{extra}]'") from err

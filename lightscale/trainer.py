@@ -16,7 +16,12 @@ from typing_extensions import override
 from lightscale.callbacks.model_summary import with_global_summary
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_shard import forget_data_shard
-from lightscale.plugins.precision import check_precision, check_strategy_precision, maybe_cpu_fp16_plugin
+from lightscale.plugins.precision import (
+    check_precision,
+    check_strategy_precision,
+    maybe_cpu_fp16_plugin,
+    maybe_float8_plugin,
+)
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies
@@ -36,7 +41,11 @@ class Trainer(LightningTrainer):
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
     """
 
-    def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, resume: str | None = None, precision: str | int | None = None, **kwargs: Any
+    ) -> None:
+        # ``precision`` is named here so the CLI accepts lightscale's names Lightning's type does not list (float8).
+        kwargs["precision"] = precision
         check_resume(resume)
         ignore_lightning_pytree_deprecation()
         register_strategies()
@@ -44,7 +53,13 @@ class Trainer(LightningTrainer):
         check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
         check_precision(kwargs.get("precision"))
         accelerator = kwargs.get("accelerator", "auto")
-        check_strategy_precision(kwargs.get("strategy", "auto"), kwargs.get("precision"), accelerator)
+        float8 = maybe_float8_plugin(kwargs.get("precision"), _as_list(kwargs.get("plugins")), accelerator)
+        precision = float8.name if float8 is not None else kwargs.get("precision")
+        emulate = float8 is not None and float8.float8.emulate
+        check_strategy_precision(kwargs.get("strategy", "auto"), precision, accelerator, emulate=emulate)
+        if float8 is not None and kwargs.get("precision") is not None:  # Lightning knows no float8 name: the plugin
+            kwargs["precision"] = None
+            kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), float8]
         fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
         if fp16_on_cpu is not None:
             kwargs["precision"] = None

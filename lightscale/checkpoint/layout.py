@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.checkpoint.layout_file import read_file_layout
+from lightscale.checkpoint.loader_state import gather_loader_states
 from lightscale.checkpoint.rng import gather_rng_states
 from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
@@ -73,13 +74,14 @@ def trainer_state_of(
     checkpoint: dict[str, Any], *, strategy: str, world_size: int, optimizers: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """``trainer_state.pt``'s content: :func:`lightning_rest` plus the ``lightscale`` entry naming the writer and
-    holding every rank's random state (collective: the states are gathered) and, when given, the optimizers' classes
-    and parameter names per group (lightning_format.py's ``describe_optimizers``: Lightning's loaders number the
-    name-keyed optimizer state by it)."""
+    holding every rank's random state and every data shard's loader position (collective: both are gathered) and,
+    when given, the optimizers' classes and parameter names per group (lightning_format.py's ``describe_optimizers``:
+    Lightning's loaders number the name-keyed optimizer state by it)."""
     writer: dict[str, Any] = {"format": LAYOUT_FORMAT, "strategy": strategy, "world_size": world_size}
     if optimizers is not None:
         writer["optimizers"] = optimizers
-    return {**lightning_rest(checkpoint), "lightscale": {**writer, "rng": gather_rng_states()}}
+    loaders = gather_loader_states(checkpoint)  # collective, like the random states
+    return {**lightning_rest(checkpoint), "lightscale": {**writer, "rng": gather_rng_states(), "loaders": loaders}}
 
 
 def saved_rng_states(trainer_state: dict[str, Any]) -> list[dict[str, Any]] | None:

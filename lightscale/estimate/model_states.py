@@ -104,6 +104,7 @@ def model_states(
     params = (sharded + persistent if layout.shard_parameters else total) * per.parameters
     grads = ((sharded if layout.shard_gradients else total) + extra_gradient_elements) * per.gradients
     optim = (sharded if layout.shard_optimizer else total) * per.optimizer
+    optim += (sharded if layout.shard_parameters else total) * layout.outer_state_bytes
     # Offloaded optimizers step on the host, so the (sharded) gradients they read live there too.
     grads_on_host = layout.offload_optimizer and layout.shard_gradients
     return ModelStates(

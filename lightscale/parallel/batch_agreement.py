@@ -126,5 +126,6 @@ def check_agreement(checksums: Tensor, dims: ParallelDims, *, step: int) -> None
         f"{dims.world_size} ranks). A dataset that "
         f"shards itself by torch.distributed.get_rank() / get_world_size() (litdata, webdataset, "
         f"split_dataset_by_node, most hand-written streams) does this: shard by `index, count = "
-        f"lightscale.data_shard()` instead (docs/data.md). The check runs every check_batches_every steps."
+        f"lightscale.data_shard()` instead, and seed any random augmentation by that index, not the rank "
+        f"(docs/data.md). Checked at the first step and every check_batches_every steps."
     )

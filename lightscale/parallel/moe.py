@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightscale.parallel.grouped_mm import check_expert_widths, grouped_mlp
+
 BALANCE_MODES = ("aux_loss", "bias", "none")
 _COUNTING = [True]  # False while a pipeline infers its shapes with an extra forward (not a training token)
 SCORES = ("softmax", "sigmoid")
@@ -123,11 +125,12 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E GELU MLPs as stacked weights ``w1 [E, D, H]``, ``w2 [E, H, D]``; a loop over experts (``grouped_mm``
-    fails in fp32 on CPU)."""
+    """E GELU MLPs as stacked weights ``w1 [E, D, H]``, ``w2 [E, H, D]``, run by grouped GEMM
+    (lightscale/parallel/grouped_mm.py): one kernel per weight for all experts, on every device and dtype."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, *, out_std: float = 0.02) -> None:
         super().__init__()
+        check_expert_widths(dim, hidden)
         self.out_std = out_std
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -142,8 +145,7 @@ class GroupedExperts(nn.Module):
         # In the tokens' dtype: under mixed precision FSDP casts the dense weights, but expert-parallel experts
         # outside FSDP stay fp32 (a no-op in fp32 training).
         w1, w2 = local(self.w1).to(tokens.dtype), local(self.w2).to(tokens.dtype)
-        chunks = tokens.split(counts.tolist())
-        return torch.cat([F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(chunks)])
+        return grouped_mlp(tokens, counts, w1, w2)
 
 
 def capacity_mask(experts: Tensor, n_experts: int, capacity: int) -> Tensor:

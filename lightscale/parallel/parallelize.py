@@ -1,8 +1,10 @@
-"""The one way lightscale parallelizes a single-device model: TP -> EP -> activation checkpointing -> compile -> FSDP.
+"""The one way lightscale parallelizes a single-device model: float8 -> TP -> EP -> AC -> compile -> FSDP.
 
-``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op`` and ``parallel_3d`` (each pipeline stage too) all call
-:func:`parallelize_model`, so the same degrees give the same program whichever name chose them: tensor parallelism
-first (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
+``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op``, ``parallel_3d`` (each pipeline stage too) and the
+``diloco`` family (inside each worker) all call
+:func:`parallelize_model`, so the same degrees give the same program whichever name chose them: float8 first when
+asked (it swaps Linear modules for torchao's Float8Linear; lightscale/parallel/float8.py), then tensor parallelism
+(it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
 DTensors on the ``ep`` axis; lightscale/parallel/experts.py), then activation checkpointing and compile on the
 units (they wrap forward, not parameters), then FSDP2 on the data-parallel axes (it shards whatever is there),
 the order torchtitan uses.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
+from lightscale.parallel.float8 import Float8Options, apply_float8, float8_tp_plan
 from lightscale.parallel.fsdp import apply_fsdp
 from lightscale.parallel.mesh import data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.moe import MoE
@@ -40,6 +44,10 @@ class ParallelizeOptions:
     reshard_after_forward: bool = True
     root_reshard_after_forward: bool = False  # manual optimization (lightscale/parallel/fsdp.py apply_fsdp)
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
+    float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/parallel/float8.py)
+    # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
+    # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
+    fsdp_over: Literal["data", "dp_shard", "none"] = "data"
 
 
 def parallelize_model(
@@ -60,20 +68,28 @@ def parallelize_model(
     shards those over the ranks that hold the same experts (``dp_shard``, x ``cp``), the rest over ``dp_shard x ep``
     (x ``cp``). Context parallelism changes no module: attention is routed at run time (the strategy's step).
     """
+    network = network if network is not None else root
+    dp_mesh = mesh["dp_shard"] if options.fsdp_over == "dp_shard" else data_parallel_mesh(mesh)
+    shards = options.fsdp_over != "none" and (dp_mesh.size() > 1 or options.always_shard)
+    if options.float8 is not None:  # swaps Linear modules: before anything holds them
+        apply_float8(network, options.float8, fsdp_all_gather=shards, tp=mesh["tp"].size())
     if mesh["tp"].size() > 1:
         assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
-        apply_tp_plan(network if network is not None else root, mesh["tp"], tp_plan, strict=False)
+        if options.float8 is not None:
+            tp_plan = float8_tp_plan(tp_plan, network, options.float8, device_type=mesh.device_type)
+        apply_tp_plan(network, mesh["tp"], tp_plan, strict=False)
     ignored: set[nn.Parameter] = set()
     if mesh["ep"].size() > 1 and moe_layers:  # a pipeline stage may hold none
         apply_expert_parallel(moe_layers, mesh["ep"])
         ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)
-    dp_mesh = data_parallel_mesh(mesh)
+    if options.fsdp_over == "none":
+        return root
     if ignored and expert_data_mesh(mesh).size() > 1:
         shard_experts_over_data(moe_layers, mesh, mp_policy=options.mp_policy)
         ignored = set()  # FSDP-managed now: the dense groups below leave them alone
-    if dp_mesh.size() > 1 or options.always_shard:
+    if shards:
         apply_fsdp(
             root,
             dp_mesh,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.float8 import Float8Options, precompute_float8_scales
 from lightscale.parallel.grad_norm import clip_grad_norm_
-from lightscale.plugins.precision_contract import DTYPES, PRECISIONS, normalize_precision
+from lightscale.plugins.precision_contract import DTYPES, FLOAT8, PRECISIONS, normalize_precision
 
 
 def precision_name(plugin: Precision) -> str:
     """The precision name a Lightning plugin stands for (``32-true`` for the plain plugin)."""
+    if isinstance(plugin, Float8Precision):
+        return plugin.name
     name = normalize_precision(getattr(plugin, "precision", "32-true"))
     if name not in PRECISIONS:
         raise ConfigurationError(
@@ -55,6 +59,8 @@ def mp_policy(precision: str, compression: str = "none", *, cast_params: bool = 
     bf16/fp16 instead. ``cast_params=False`` leaves compute to autocast (a pipeline stage) and sets only the reduction.
     """
     compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision) if cast_params else None
+    if precision in FLOAT8 and cast_params:  # float8 matmuls inside Float8Linear, bf16 everywhere else
+        compute = torch.bfloat16
     reduce = DTYPES.get(compression) or (torch.float32 if compute is not None else None)
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
 
@@ -89,6 +95,48 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
         yield  # FSDP casts parameters (and floating inputs) per unit; autocast would cast a second time
 
 
+class Float8Precision(_ShardedClipping, MixedPrecision):
+    """float8 training: bf16-mixed (by FSDP's policy, or autocast where FSDP does not cast) with the eligible Linear
+    layers converted to torchao ``Float8Linear`` by the strategy's parallelize path (lightscale/parallel/float8.py);
+    after each optimizer step the float8 scales of FSDP-sharded weights are computed in one all-reduce.
+
+    ``precision="float8"`` (tensorwise) or ``"float8-rowwise"`` on the Trainer makes one for CUDA; pass an instance
+    with ``emulate=True`` to run torchao's emulation on CPU. ``device`` (autocast's, where FSDP does not cast)
+    defaults to CUDA when there is one, else CPU.
+
+    Example:
+        >>> lightscale.Trainer(strategy="fsdp2", accelerator="cpu", plugins=[Float8Precision("float8", emulate=True)])
+    """
+
+    def __init__(self, name: str = "float8", device: str | None = None, *, emulate: bool = False) -> None:
+        if name not in FLOAT8:
+            raise ConfigurationError(f"Float8Precision name={name!r} is not valid; choose one of {', '.join(FLOAT8)}.")
+        super().__init__("bf16-mixed", device or ("cuda" if torch.cuda.is_available() else "cpu"))  # autocast's
+        self.name = name
+        self.float8 = Float8Options(recipe=FLOAT8[name], emulate=emulate)  # type: ignore[arg-type]
+        self.autocast = False  # parallel_3d sets it where FSDP does not cast (tp or pp without data parallelism)
+
+    @contextmanager
+    @override
+    def forward_context(self) -> Generator[None, None, None]:
+        if not self.autocast:
+            yield  # FSDP casts parameters per unit
+            return
+        with super().forward_context():
+            yield
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        precompute_float8_scales(model)
+        return result
+
+
+def float8_options(plugin: Precision) -> Float8Options | None:
+    """The float8 conversion a strategy applies for ``plugin`` (None: no float8)."""
+    return plugin.float8 if isinstance(plugin, Float8Precision) else None
+
+
 class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
     """bf16-true: the module is converted to bf16 before sharding, as under any strategy."""
 
@@ -97,8 +145,11 @@ class AutocastPrecision(_ShardedClipping, MixedPrecision):
     """bf16/fp16 compute by autocast (no FSDP cast: a pipeline stage, or tp without data parallelism)."""
 
 
-def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
-    """The plugin that goes with :func:`mp_policy` for ``precision``."""
+def fsdp2_precision_plugin(precision: str, device: str, *, given: Precision | None = None) -> Precision:
+    """The plugin that goes with :func:`mp_policy` for ``precision``; a ``given`` Float8Precision is kept (it
+    carries the float8 options)."""
+    if isinstance(given, Float8Precision):
+        return given
     if precision in ("bf16-mixed", "16-mixed"):
         return FSDP2MixedPrecision(precision, device)
     if precision == "bf16-true":
@@ -107,12 +158,20 @@ def fsdp2_precision_plugin(precision: str, device: str) -> Precision:
 
 
 def parallel_3d_precision_plugin(
-    precision: str, device: str, *, fsdp_casts: bool, pp_group: dist.ProcessGroup | None
+    precision: str,
+    device: str,
+    *,
+    fsdp_casts: bool,
+    pp_group: dist.ProcessGroup | None,
+    given: Precision | None = None,
 ) -> Precision:
     """``parallel_3d``'s plugin: FSDP's policy casts when FSDP wraps the whole module (exactly as under ``fsdp2``),
     else autocast, with one skip-or-step decision for fp16 over all ranks (found-inf summed over WORLD); clipping
     spans dp x tp x pp."""
-    if fsdp_casts or precision not in ("bf16-mixed", "16-mixed"):
+    if isinstance(given, Float8Precision):
+        plugin: Precision = given
+        given.autocast = not fsdp_casts
+    elif fsdp_casts or precision not in ("bf16-mixed", "16-mixed"):
         plugin = fsdp2_precision_plugin(precision, device)
     else:
         scaler = MixedTensorGradScaler(device=device) if precision == "16-mixed" else None

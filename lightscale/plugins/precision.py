@@ -12,7 +12,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightscale.errors import ConfigurationError
-from lightscale.plugins.precision_contract import PRECISIONS, Family, normalize_precision, refuse_impossible
+from lightscale.plugins.fsdp_precision import Float8Precision
+from lightscale.plugins.precision_contract import FLOAT8, PRECISIONS, Family, normalize_precision, refuse_impossible
 
 SUPPORTED = ("32", *PRECISIONS)  # Lightning's "32" too: normalize_precision reads it as "32-true"
 
@@ -34,16 +35,45 @@ def maybe_cpu_fp16_plugin(precision: str | int | None, accelerator: object) -> P
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 
 
-def check_strategy_precision(strategy: object, precision: str | int | None, accelerator: object) -> None:
+def maybe_float8_plugin(
+    precision: str | int | None, plugins: list[object], accelerator: object
+) -> Float8Precision | None:
+    """The Float8Precision a Trainer runs with: the one in ``plugins``, or one made for ``precision="float8"`` /
+    ``"float8-rowwise"`` on this device; None without float8."""
+    given = [plugin for plugin in plugins if isinstance(plugin, Float8Precision)]
+    if given and precision is not None:
+        raise ConfigurationError(
+            f"precision={precision!r} and a Float8Precision plugin were both given; pass one of them (the plugin "
+            "carries the float8 recipe)."
+        )
+    if given:
+        return given[0]
+    if str(precision) in FLOAT8:
+        return Float8Precision(str(precision), "cpu" if _on_cpu(accelerator) else "cuda")
+    return None
+
+
+def check_strategy_precision(
+    strategy: object, precision: str | int | None, accelerator: object, *, emulate: bool = False
+) -> None:
     """Refuse, at Trainer construction, a precision the strategy's engine cannot run on this device."""
     family = _precision_family(strategy)
+    if family is None and str(precision) in FLOAT8:
+        raise ConfigurationError(
+            f"precision={precision!r} runs under the fsdp2 and parallel_3d strategies (fsdp2 also on one device), "
+            f"which convert the model's Linear layers on their parallelize path; strategy={strategy!r} has none."
+        )
     if family is None or precision is None:
         return
     name = normalize_precision(precision)
-    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
     compression = getattr(strategy, "compression", "none")  # an instance's argument; a name's class has none
     compression = compression if isinstance(compression, str) else "none"
-    refuse_impossible(family, name, device_type="cpu" if on_cpu else "cuda", compression=compression)
+    device_type = "cpu" if _on_cpu(accelerator) else "cuda"
+    refuse_impossible(family, name, device_type=device_type, compression=compression, emulate=emulate)
+
+
+def _on_cpu(accelerator: object) -> bool:
+    return accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
 
 
 def _precision_family(strategy: object) -> Family | None:

@@ -33,7 +33,9 @@ Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
 Compression = Literal["none", "bf16", "fp16", "powersgd"]
 FAMILIES: tuple[Family, ...] = ("bucketed_ddp", "zero", "fsdp2", "parallel_3d")
 # The one list of precision names lightscale gives a meaning to (Lightning's "32" is normalised to "32-true").
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+# The float8 names are torchao's recipes on top of bf16-mixed (lightscale/parallel/float8.py).
+FLOAT8 = {"float8": "tensorwise", "float8-rowwise": "rowwise"}
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", *FLOAT8)
 COMPRESSIONS = ("none", "bf16", "fp16")
 # Compressions only some families implement: low-rank PowerSGD needs a reducer that sees whole gradient matrices.
 _ONLY_UNDER: dict[str, tuple[Family, ...]] = {"powersgd": ("bucketed_ddp",)}
@@ -63,6 +65,26 @@ STANDARD = {
     "bf16-mixed": Meaning("fp32", "bf16", "fp32", "none", "fp32", False, "bf16 autocast"),
     "16-mixed": Meaning("fp32", "fp16", "fp32", "none", "fp32", True, "fp16 autocast + GradScaler"),
     "bf16-true": Meaning("bf16", "bf16", "bf16", "none", "bf16", False, "module converted to bf16"),
+    "float8": Meaning(
+        "fp32",
+        "bf16",
+        "fp32",
+        "none",
+        "fp32",
+        False,
+        "as bf16-mixed, and eligible Linear layers are torchao Float8Linear (float8 matmuls, one scale per tensor; "
+        "FSDP all-gathers their weights in float8)",
+    ),
+    "float8-rowwise": Meaning(
+        "fp32",
+        "bf16",
+        "fp32",
+        "none",
+        "fp32",
+        False,
+        "as bf16-mixed, and eligible Linear layers are torchao Float8Linear (float8 matmuls, one power-of-2 scale per "
+        "row; weights all-gathered in bf16)",
+    ),
 }
 
 _FSDP_HOW = {
@@ -113,6 +135,19 @@ _DIFFERENT = {
 _REFUSED = {
     ("zero", "16-mixed", "cpu"): "DeepSpeed's CPU accelerator has no fp16 support (its fp16 engine needs CUDA)",
 }
+_FLOAT8_ELSEWHERE = {
+    "zero": "DeepSpeed partitions its own flat bf16/fp16 buffers and has no float8 Linear; use fsdp2 or parallel_3d",
+    "bucketed_ddp": "float8 is applied on the one parallelize path of fsdp2 and parallel_3d (fsdp2 also runs on one "
+    "device)",
+}
+_FLOAT8_CPU = (
+    "float8 matmuls need a CUDA GPU with float8 tensor cores (compute capability >= 8.9); on CPU only torchao's "
+    "emulation runs: plugins=[lightscale.Float8Precision('float8', emulate=True)] instead of precision='float8'"
+)
+for _name in FLOAT8:
+    for _device in ("cpu", "cuda"):
+        _REFUSED |= {(family, _name, _device): why for family, why in _FLOAT8_ELSEWHERE.items()}
+    _REFUSED |= {(family, _name, "cpu"): _FLOAT8_CPU for family in ("fsdp2", "parallel_3d")}
 
 
 def normalize_precision(precision: str | int) -> str:
@@ -138,8 +173,11 @@ def _standard(family: Family, precision: str) -> Meaning:
     return replace(row, how=how) if how else row
 
 
-def refusal(family: Family, precision: str, device_type: str) -> str | None:
-    """Why ``family`` cannot run ``precision`` on ``device_type``, or None."""
+def refusal(family: Family, precision: str, device_type: str, *, emulate: bool = False) -> str | None:
+    """Why ``family`` cannot run ``precision`` on ``device_type``, or None. ``emulate``: float8 by torchao's
+    emulation, which runs wherever the family runs float8 at all."""
+    if emulate and precision in FLOAT8:
+        return _REFUSED.get((family, precision, "cuda"))
     return _REFUSED.get((family, precision, device_type))
 
 
@@ -147,10 +185,12 @@ def valid_precisions(family: Family, device_type: str) -> list[str]:
     return [p for p in PRECISIONS if refusal(family, p, device_type) is None]
 
 
-def enforce_contract(family: Family, precision: str, *, device_type: str, compression: str = "none") -> Meaning:
+def enforce_contract(
+    family: Family, precision: str, *, device_type: str, compression: str = "none", emulate: bool = False
+) -> Meaning:
     """Refuse what the engine cannot run (before any work) and warn once where it changes the meaning."""
     row = meaning(family, precision, compression=compression)
-    refuse_impossible(family, precision, device_type=device_type, compression=compression)
+    refuse_impossible(family, precision, device_type=device_type, compression=compression, emulate=emulate)
     if row.difference:
         message = f"lightscale: precision={precision!r} under {family}: {row.difference} (docs/plugins/precision.md)."
         if row.same_values:  # nothing for the user to act on: kept for the curious and in RunSummary's table
@@ -160,10 +200,12 @@ def enforce_contract(family: Family, precision: str, *, device_type: str, compre
     return row
 
 
-def refuse_impossible(family: Family, precision: str, *, device_type: str, compression: str = "none") -> None:
+def refuse_impossible(
+    family: Family, precision: str, *, device_type: str, compression: str = "none", emulate: bool = False
+) -> None:
     """Raise a ConfigurationError naming strategy, precision and the valid precisions if the engine cannot run it."""
     check_compression(compression, family)
-    reason = refusal(family, precision, device_type)
+    reason = refusal(family, precision, device_type, emulate=emulate)
     if reason is not None:
         raise ConfigurationError(
             f"precision={precision!r} cannot run under the {family} strategies on {device_type}: {reason}. Valid "

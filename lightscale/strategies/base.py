@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.layout import load_sharded, read_rest, save_sharded, saved_rng_states, trainer_state_of
 from lightscale.checkpoint.lightning_format import describe_optimizers
+from lightscale.checkpoint.loader_state import take_own_loader_state
 from lightscale.checkpoint.rng import restore_rng_states
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.checkpoint.shape_check import check_state_dict_shapes
@@ -56,8 +57,9 @@ from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, c
 from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
+from lightscale.strategies.loader_position import maybe_track_trained_position
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
-from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch
+from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
 
 log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
@@ -190,15 +192,21 @@ class LightscaleStrategy(ProcessStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
-        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off."""
+        sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; its workers
+        seeded by the data shard, so ranks sharing one draw the same augmentations; a stateful stream saves the
+        position of the batches trained (strategies/loader_position.py)."""
         trainer = self.lightning_module.trainer
-        return exactly_once_loader(
+        kwargs = self.distributed_sampler_kwargs
+        loader = exactly_once_loader(
             dataloader,
-            **self.distributed_sampler_kwargs,
+            **kwargs,
             training=trainer.training,
             drop_remainder=trainer.training and not self.trains_short_batches,
             position=position_in_epoch(trainer),
         )
+        seed_workers_by_data_shard(loader, kwargs["rank"])
+        # A stream's saved position: the batches trained, not Lightning's look-ahead (strategies/loader_position.py).
+        return maybe_track_trained_position(loader, training=trainer.training)
 
     @property
     def trains_short_batches(self) -> bool:
@@ -395,9 +403,11 @@ class LightscaleStrategy(ProcessStrategy):
 
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         """What lightscale keeps beside Lightning's state: when fitting, the random states are kept for the first
-        batch (creating the data iterator after the load draws from torch's RNG)."""
+        batch (creating the data iterator after the load draws from torch's RNG) and the loader position of this
+        rank's data shard replaces rank 0's."""
         if fitting:
             self._saved_rng_states = saved_rng_states(meta)
+            take_own_loader_state(meta)  # rank 0 wrote the file: each data shard takes its own stream position back
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

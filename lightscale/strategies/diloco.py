@@ -6,31 +6,52 @@ the worker's ranks); the layout is ``ParallelDims(dp_replicate=workers, dp_shard
 :class:`~lightscale.parallel.diloco.OuterSync` averages the pseudo-gradients (or, for ``local_sgd``, the parameters)
 over the ``dp_replicate`` group of each shard position. Every rank reads its own data shard (dp = workers x inner).
 Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/checkpoint/diloco_state.py).
+With ``fault_tolerant=`` the launch is one worker and :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`
+meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import importlib.util
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightscale.checkpoint.diloco_state import diloco_state, load_diloco_state, read_diloco_state
+from lightscale.checkpoint.diloco_state import (
+    diloco_state,
+    like_param,
+    load_diloco_state,
+    load_global_state,
+    read_diloco_state,
+)
 from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
-from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
-from lightscale.parallel.diloco import OuterSync, Schedule, check_outer_settings
-from lightscale.parallel.fsdp import apply_fsdp, contains_module, no_gradient_sync
+from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
+from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
+from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state, broadcast_tensors
+from lightscale.parallel.diloco import (
+    FaultTolerance,
+    FaultTolerantOuterSync,
+    OuterSync,
+    RoundRecord,
+    Schedule,
+    check_outer_settings,
+)
+from lightscale.parallel.fsdp import contains_module, materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
+from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
@@ -52,6 +73,12 @@ class DiLoCoStrategy(LightscaleStrategy):
             ``overlap_steps`` inner steps.
         compression: the outer wire, ``"none"``, ``"bf16"`` or ``"int8"`` (diloco mode only).
         mode: ``"diloco"`` (outer optimizer on the mean pseudo-gradient) or ``"local_sgd"`` (mean of parameters).
+        activation_checkpointing, compile, meta_init: as for ``fsdp2``, applied inside each worker by the one
+            parallelize path (lightscale/parallel/parallelize.py), whichever the inner strategy.
+        fault_tolerant: ``True`` or a :class:`~lightscale.parallel.diloco.FaultTolerance`: this launch is *one*
+            worker (its ranks run the inner strategy) that meets the others through torchft's lighthouse; a worker
+            that dies or hangs drops out of its round, the others go on, and a restarted one heals from a live peer
+            (the ``[ft]`` extra; docs/strategies/diloco.md).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -83,38 +110,53 @@ class DiLoCoStrategy(LightscaleStrategy):
         overlap_steps: int = 0,
         compression: str = "none",
         mode: str = "diloco",
+        activation_checkpointing: ACMode = "none",
+        compile: bool = False,
+        meta_init: bool = True,
+        fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         _check_settings(workers, inner, outer_lr, outer_momentum)
+        check_ac_mode(activation_checkpointing)
         if inner == "fsdp2" and self.checkpoint_format == "file":
             raise ConfigurationError(
                 "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
                 "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
             )
+        self.fault_tolerance = _fault_tolerance(fault_tolerant, workers, fragments, overlap_steps, compression)
+        self.ft: FaultTolerantOuterSync | None = None
         check_outer_settings(mode, compression)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
+        self._rng_state: dict[str, torch.Tensor] | None = None
         self.reducer: BucketedGradReducer | None = None
         self.outer: OuterSync | None = None
         self._kept_locals: list[torch.Tensor] | None = None
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
-        """The inner layout inside a worker; the fp32 global copy and outer momentum come on top (docs/strategies)."""
+        """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the
+        global copy, the outer momentum (diloco with momentum > 0) and the compression residual."""
         dims = self.parallel_dims(world_size)
         sharded = self.inner == "fsdp2"
+        momentum = self.mode == "diloco" and self.outer_momentum > 0
+        outer = 4 + 4 * momentum + 4 * (self.compression != "none")
         return Layout(
             type(self).__name__, world_size, shard_optimizer=sharded, shard_gradients=sharded,
             shard_parameters=sharded, dp_shard=dims.dp_shard if sharded else 1,
             dp_replicate=dims.dp_replicate if sharded else world_size,
+            activation_checkpointing=self.activation_checkpointing, outer_state_bytes=outer,
         )  # fmt: skip
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
         workers = self.workers or (self.num_nodes if self.num_nodes > 1 else world_size)
+        if self.fault_tolerance is not None:
+            workers = 1  # this launch is one worker; the others are launches of their own
         if world_size % workers:
             valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ConfigurationError(
@@ -122,6 +164,42 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"of ranks. Choose workers from {valid}."
             )
         return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Fault-tolerant workers with ``data_shards`` read their own part of the dataset, split over their ranks."""
+        kwargs = super().distributed_sampler_kwargs
+        ft = self.fault_tolerance
+        if ft is None or ft.data_shards is None:
+            return kwargs
+        ranks = kwargs["num_replicas"]
+        return {"num_replicas": ft.data_shards * ranks, "rank": ft.data_part() * ranks + kwargs["rank"]}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A fault-tolerant worker's first quorum runs here, before its data is read: a restarted worker heals from
+        a live peer and its sampler (one with ``resume_from(epoch, batches)``, as lightscale's) reads on from the
+        peers' step within the epoch."""
+        loader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if self.ft is None or not trainer.training:
+            return loader
+        heals = self.ft.heals
+        self.ft.before_inner_step()
+        if self.reducer is not None:
+            # torchft heals each rank from the same rank of some peer; at the start the peers still differ, so the
+            # worker's replicas take its rank 0's (later, every up-to-date peer holds the same state).
+            group = self.device_mesh["dp_shard"].get_group()
+            broadcast_module_state(self.model, process_group=group)
+            broadcast_tensors([tensor for _, tensor in self.outer.named_globals()], process_group=group)
+        sampler = getattr(loader, "sampler", None)
+        if self.ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
+            sampler.resume_from(trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches)
+        elif self.ft.heals > heals:
+            rank_zero_warn(f"This worker healed to step {self.outer.step} but its sampler ({type(sampler).__name__}) "
+                           f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
+        return loader
 
     @property
     def worker(self) -> int:
@@ -133,6 +211,17 @@ class DiLoCoStrategy(LightscaleStrategy):
         return self.global_rank % self.dims.dp_shard if self.inner == "fsdp2" else 0
 
     # ---- the model -----------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:  # type: ignore[override]
+        """Modules built in ``configure_model`` land on the meta device, as under ``fsdp2``."""
+        if not self.meta_init:
+            yield
+            return
+        self._rng_state = torch_generator_states()  # materialization replays init from here
+        with torch.device("meta"):
+            yield
+
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
@@ -141,29 +230,51 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
-        """Every rank starts from rank 0's weights; the inner strategy over the worker, OuterSync across workers."""
-        broadcast_module_state(module)
-        mesh = self.device_mesh
-        if self.inner == "fsdp2":
-            self._roots = data_parallel_roots(module, strategy=type(self).__name__)
-            policy = mp_policy(precision_name(self.precision_plugin), "none")
-            units = sharding_units(module)
-            for root in self._roots:
-                inside = [unit for unit in units if contains_module(root, unit)]
-                apply_fsdp(
-                    root, mesh["dp_shard"], units=inside, mp_policy=policy,
-                    root_reshard_after_forward=manual_optimization(module),
-                )  # fmt: skip
-        elif self.dims.dp_shard > 1:
-            self.reducer = BucketedGradReducer(module, process_group=mesh["dp_shard"].get_group())
+        """Every rank starts from rank 0's weights; the one parallelize path inside a worker, OuterSync across."""
+        is_meta = any(p.is_meta for p in module.parameters())
+        if not is_meta:
+            module.to(self.root_device)
+        broadcast_module_state(module)  # meta tensors are skipped: materialization replays rank 0's draws
+        sharded = self.inner == "fsdp2"
+        options = ParallelizeOptions(
+            activation_checkpointing=self.activation_checkpointing, compile=self.compile, always_shard=sharded,
+            mp_policy=mp_policy(precision_name(self.precision_plugin), "none") if sharded else None,
+            fsdp_over="dp_shard" if sharded else "none", root_reshard_after_forward=manual_optimization(module),
+        )  # fmt: skip
+        # Under manual optimization FSDP roots at each child network (lightscale/parallel/contract.py).
+        roots = data_parallel_roots(module, strategy=type(self).__name__) if sharded else [data_parallel_root(module)]
+        if sharded:
+            self._roots = roots
+        units = sharding_units(module)
+        for root in roots:
+            inside = [unit for unit in units if contains_module(root, unit)]
+            parallelize_model(root, self.device_mesh, units=inside, options=options)
+        if is_meta:
+            materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
+        if not sharded and self.dims.dp_shard > 1:
+            self.reducer = BucketedGradReducer(module, process_group=self.device_mesh["dp_shard"].get_group())
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self.outer = OuterSync(
-                module.named_parameters(), sync_every=self.schedule.sync_every, group=mesh["dp_replicate"].get_group(),
-                mode=self.mode, outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
-                fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
-                compression=self.compression, broadcast_start=False,
-            )  # fmt: skip
+            self.outer = self._outer_sync(module)
         return module
+
+    def _outer_sync(self, module: nn.Module) -> OuterSync:
+        ft = self.fault_tolerance
+        if ft is not None:
+            self.ft = FaultTolerantOuterSync(
+                module.named_parameters(), sync_every=self.schedule.sync_every, replica_id=ft.resolved_replica_id(),
+                min_replicas=ft.min_replicas, lighthouse_addr=ft.lighthouse, mode=self.mode,
+                outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
+                timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                on_round=self._log_round, group=dist.group.WORLD if self.world_size > 1 else None,
+            )  # fmt: skip
+            return self.ft.sync
+        return OuterSync(
+            module.named_parameters(), sync_every=self.schedule.sync_every,
+            group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode,
+            outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
+            fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
+            compression=self.compression, broadcast_start=False,
+        )  # fmt: skip
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         momentum = self.outer_momentum
@@ -180,11 +291,20 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
-        if self.inner != "fsdp2":
-            self.model.to(self.root_device)
+        pass  # apply_parallelism places (or materializes) the model, after building on the meta device
+
+    def _log_round(self, record: RoundRecord, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
+        outcome = "committed" if record.committed else "dropped (a worker of the round failed)"
+        rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, "
+                       f"{record.participants} worker(s)")  # fmt: skip
 
     # ---- the step ------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.ft is not None:
+            self.ft.before_inner_step()  # a round's first step waits for its quorum (and heals a worker behind)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.reducer is not None:
@@ -203,6 +323,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
+        trainer = self.lightning_module.trainer
+        if self.ft is not None and 0 < trainer.max_steps <= self.outer.step:
+            trainer.should_stop = True  # a healed worker counts the peers' steps, not its own since its restart
         return result
 
     @override
@@ -234,13 +357,8 @@ class DiLoCoStrategy(LightscaleStrategy):
     def _globals(self) -> dict[str, torch.Tensor]:
         """The fp32 global model under the module's names; DTensors over the worker's shards when FSDP2 shards."""
         assert self.outer is not None
-        out = {}
-        for param, (name, tensor) in zip(self.outer.params, self.outer.named_globals(), strict=True):
-            if isinstance(param, DTensor):
-                tensor = DTensor.from_local(tensor, param.device_mesh, param.placements, shape=param.shape,
-                                            stride=param.stride(), run_check=False)  # fmt: skip
-            out[name] = tensor
-        return out
+        pairs = zip(self.outer.params, self.outer.named_globals(), strict=True)
+        return {name: like_param(param, tensor) for param, (name, tensor) in pairs}
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers (the same on every rank): saved beside the global parameters so that the
@@ -267,15 +385,18 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.save_single_file({**rest, "state_dict": model}, path)
             return None
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
-        meta["workers"] = self.dims.dp_replicate
+        meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner == "fsdp2" else 1}
+        if self.ft is not None:
+            meta["ft_rounds"] = self.ft.manager.current_step()
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
         model = {**self._globals(), **self._buffers()}
         write_checkpoint(path, {"model": model, "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume (same workers and shards): globals, each worker's own state, the outer state; else the global model
-        loads like any layout's (evaluation, or a checkpoint another strategy wrote)."""
+        """Resume: at the saved workers and shards, exactly (globals, each worker's own state, the outer state); at
+        others, every worker restarts from the global model with the outer state (a fresh inner optimizer). A
+        checkpoint without DiLoCo state loads its model like any layout's (evaluation, another strategy's)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.outer is None:
             return super().load_checkpoint(path, weights_only)
@@ -286,21 +407,39 @@ class DiLoCoStrategy(LightscaleStrategy):
             )
         meta = self.read_trainer_state(path, fitting=True)
         saved = meta.get("diloco")
-        if saved is None or saved["workers"] != self.dims.dp_replicate:
+        if saved is None:
             raise ConfigurationError(
-                f"{path} was not saved by DiLoCo with {self.dims.dp_replicate} workers (saved: "
-                f"{None if saved is None else saved['workers']}); resume with the saved layout, or load its global "
-                f"model into a new run with `lightscale export`."
+                f"{path} was not saved by DiLoCo, so it holds no outer state to resume; load its model into a new run "
+                f"with `lightscale export` (or train on with the strategy that saved it)."
             )
-        tensors = read_diloco_state(path, {**self._globals(), **self._buffers()}, worker=self.worker, shard=self.shard)
-        load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
-        return {**meta, "optimizer_states": []}
+        shards = self.dims.dp_shard if self.inner == "fsdp2" else 1
+        same = (saved["workers"], saved.get("shards", 1)) == (self.dims.dp_replicate, shards)
+        if not same and saved["pending"]:
+            raise ConfigurationError(
+                f"{path} was saved with {len(saved['pending'])} outer result(s) in flight (overlap_steps > 0), which "
+                f"only the saved layout ({saved['workers']} workers x {saved.get('shards', 1)} shards) can apply; "
+                f"resume it with that layout, or at another number of workers from a checkpoint saved right after "
+                f"a fragment's result landed."
+            )
+        worker = self.worker if same else None
+        model = {**self._globals(), **self._buffers()}
+        tensors = read_diloco_state(path, self.outer, model, worker=worker, shard=self.shard)
+        if same:
+            load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
+            if self.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
+                self.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
+            return {**meta, "optimizer_states": []}
+        load_global_state(self.outer, tensors, saved)
+        return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model
 
     @override
     def teardown(self) -> None:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.ft is not None:
+            self.ft.shutdown()
+            self.ft = None
         self.outer = None
         super().teardown()
 
@@ -317,3 +456,29 @@ def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_mome
         raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (the DiLoCo paper uses 0.7).")
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
         raise ConfigurationError(f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (paper: 0.9).")
+
+
+def _fault_tolerance(
+    fault_tolerant: FaultTolerance | bool, workers: int | None, fragments: int, overlap_steps: int, compression: str
+) -> FaultTolerance | None:
+    if fault_tolerant is False:
+        return None
+    if importlib.util.find_spec("torchft") is None:  # before any process starts
+        raise ConfigurationError("fault_tolerant DiLoCo runs on torchft, not installed: pip install 'lightscale[ft]'.")
+    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
+    if not isinstance(ft, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
+        )
+    if workers not in (None, 1):
+        raise ConfigurationError(
+            f"workers={workers} cannot be set with fault_tolerant: each fault-tolerant worker is a launch of its own "
+            f"(its devices x nodes ranks), and the workers meet at the lighthouse. Leave workers unset."
+        )
+    if fragments != 1 or overlap_steps != 0 or compression != "none":
+        raise ConfigurationError(
+            f"fault_tolerant DiLoCo averages one fp32 payload per round at once; it needs fragments=1, "
+            f"overlap_steps=0 and compression='none', not fragments={fragments}, overlap_steps={overlap_steps}, "
+            f"compression={compression!r}."
+        )
+    return ft

@@ -44,7 +44,7 @@ from lightscale.parallel.fsdp import (
 )
 from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
-from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 
@@ -159,8 +159,11 @@ class FSDP2Strategy(LightscaleStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Iterator[None]:  # type: ignore[override]
-        """Modules built in ``configure_model`` land on the meta device: no rank allocates the full model."""
-        if not self.meta_init:
+        """Modules built in ``configure_model`` land on the meta device: no rank allocates the full model.
+
+        Not under float8: materializing a converted Float8Linear would re-draw its weight with ``nn.Linear``'s
+        init, not the model's, so the model is built on every rank as with ``meta_init=False``."""
+        if not self.meta_init or float8_options(self.precision_plugin) is not None:
             yield
             return
         self._rng_state = torch_generator_states()  # materialization replays init from here
@@ -170,8 +173,10 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
-        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
-        return fsdp2_precision_plugin(name, self.root_device.type)
+        emulate = bool(float8 := float8_options(plugin)) and float8.emulate
+        device, compression = self.root_device.type, self.compression
+        enforce_contract(self.precision_family, name, device_type=device, compression=compression, emulate=emulate)
+        return fsdp2_precision_plugin(name, self.root_device.type, given=plugin)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -191,6 +196,7 @@ class FSDP2Strategy(LightscaleStrategy):
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
             mp_policy=mp_policy(precision_name(self.precision_plugin), self.compression),
+            float8=float8_options(self.precision_plugin),
             offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
             reshard_after_forward=self.reshard_after_forward,
             root_reshard_after_forward=manual_optimization(module),

@@ -49,7 +49,7 @@ from lightscale.parallel.pipeline import (
     validate_schedule,
 )
 from lightscale.parallel.pipeline_runtime import Pipeline
-from lightscale.plugins.fsdp_precision import parallel_3d_precision_plugin, precision_name
+from lightscale.plugins.fsdp_precision import float8_options, parallel_3d_precision_plugin, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.context_parallel_step import (
@@ -347,14 +347,16 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
-        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
+        emulate = bool(float8 := float8_options(plugin)) and float8.emulate
+        device, compression = self.root_device.type, self.compression
+        enforce_contract(self.precision_family, name, device_type=device, compression=compression, emulate=emulate)
         if self.compression != "none" and self.dims.fsdp_size == 1:
             rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = cp = 1, no gradient is reduced.")
         # FSDP casts per unit (MixedPrecisionPolicy) exactly as under fsdp2 when it wraps the whole module; clipping
         # by norm spans dp x tp x pp.
         pp_group = pipeline_group(self.device_mesh)
         return parallel_3d_precision_plugin(
-            name, self.root_device.type, fsdp_casts=self.shards_data_parallel, pp_group=pp_group
+            name, self.root_device.type, fsdp_casts=self.shards_data_parallel, pp_group=pp_group, given=plugin
         )
 
     # ---- checkpoints: the portable layout, written and read by LightscaleStrategy --------------------------------

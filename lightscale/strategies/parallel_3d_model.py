@@ -29,7 +29,7 @@ from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import prune_to, stage_ids, stage_ids_owner
 from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
-from lightscale.plugins.fsdp_precision import mp_policy, precision_name
+from lightscale.plugins.fsdp_precision import float8_options, mp_policy, precision_name
 from lightscale.strategies.context_parallel_step import check_context_parallel_model, predict_refusal
 from lightscale.strategies.pipeline_step import PipelinedModule
 
@@ -65,7 +65,7 @@ def parallelize_part(
     plan = None
     if strategy.dims.tp_enabled:
         plan = tp_plan_of(module, sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
-    network = root if strategy.dims.pp_enabled else network_of(module)
+    network = network_of(module) if root is module and not strategy.dims.pp_enabled else root  # a stage, a manual root
     policy = None  # no FSDP (dp = ep = 1 without a pipeline): autocast computes, nothing is reduced
     # Under a pipeline autocast computes and FSDP only reduces.
     if strategy.shards_data_parallel or strategy.dims.pp_enabled:
@@ -77,6 +77,7 @@ def parallelize_part(
         mp_policy=policy,
         reshard_after_forward=not strategy.dims.pp_enabled,  # pipelines re-use weights across microbatches
         root_reshard_after_forward=manual_optimization(module) and not strategy.dims.pp_enabled,
+        float8=float8_options(strategy.precision_plugin),
     )
     parallelize_model(
         root,

@@ -14,6 +14,10 @@ Where a short last batch cannot run - ``DataLoader(drop_last=True)``, or trainin
 - the remainder is dropped every epoch with a warning naming how many samples. ``0 < rem < R`` without
 ``drop_last`` is refused: some rank would have an empty last batch.
 
+Worker seeds: under ``seed_everything(workers=True)`` (what ``LightningCLI`` and so ``lightscale fit`` call) Lightning
+seeds each DataLoader worker by the global rank, so the tensor-, context- and pipeline-parallel ranks of one data
+shard would draw different random augmentations; :func:`seed_workers_by_data_shard` seeds them by the data shard.
+
 Example:
     >>> list(ExactlyOnceSampler(range(7), batch_size=2, num_replicas=2, rank=1, shuffle=False))
     [2, 3, 6]
@@ -21,11 +25,14 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sized
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -165,3 +172,12 @@ def position_in_epoch(trainer: Any) -> tuple[int, int]:
     if fit_loop is None or not fit_loop.restarting:
         return -1, 0
     return fit_loop.epoch_progress.current.completed, fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def seed_workers_by_data_shard(dataloader: object, shard_index: int) -> None:
+    """Under ``seed_everything(workers=True)``, seed ``dataloader``'s workers by its data shard: Lightning's seeding
+    (which comes after and keeps a ``worker_init_fn`` already set) would use the global rank. A user's own
+    ``worker_init_fn`` stays."""
+    seeds_workers = bool(int(os.environ.get("PL_SEED_WORKERS", 0)))
+    if seeds_workers and isinstance(dataloader, DataLoader) and dataloader.worker_init_fn is None:
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=shard_index)

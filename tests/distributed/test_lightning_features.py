@@ -153,7 +153,9 @@ class TwoOptimizers(pl.LightningModule):
 
 
 class OneNetwork(pl.LightningModule):
-    """Manual optimization of one network child: two backward passes accumulate into one SGD step."""
+    """Manual optimization of one network child: two backward passes accumulate into one SGD step, and a forward
+    without backward before the step (a sample to look at): the next step's forward must see the stepped weights,
+    not the copy that forward gathered (FSDP roots reshard after forward under manual optimization)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -164,6 +166,8 @@ class OneNetwork(pl.LightningModule):
         optimizer = self.optimizers()
         self.manual_backward(self.model(batch[0]).pow(2).mean())
         self.manual_backward((self.model(batch[0]) - 1).abs().mean())
+        with torch.no_grad():
+            self.model(batch[0])
         optimizer.step()
         optimizer.zero_grad()
 

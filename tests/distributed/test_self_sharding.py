@@ -4,7 +4,8 @@ Sharding by ``torch.distributed.get_rank()`` (what litdata, webdataset and ``spl
 two ranks of one data shard different batches under tp / cp / pp: refused at the first step, on every rank, naming
 the ranks, the group and the fix (also under ep2_tp2 on 4 ranks). Sharding by ``lightscale.data_shard()`` (read in
 a DataLoader worker) trains like one process (plain SGD, losses step by step). Under ep2 each rank is its own data
-shard, so both ways are right.
+shard, so both ways are right. A random augmentation drawn in the workers under ``seed_everything(workers=True)`` is
+the same on both tp ranks (workers seeded by the data shard), and matches one process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,10 +38,11 @@ class TokenStream(IterableDataset):
     """(tokens, targets) windows of a repeating random sequence; each reader takes every ``count``-th window.
 
     ``by="rank"`` shards by the process group's rank, ``by="data_shard"`` by ``lightscale.data_shard()``; either way
-    a DataLoader worker splits its reader's windows further."""
+    a DataLoader worker splits its reader's windows further. ``augment`` replaces one token of each window with a
+    random one, drawn in the worker (seeded by Lightning under ``seed_everything(workers=True)``)."""
 
-    def __init__(self, by: str, block_size: int = CONFIG.block_size, windows: int = 64) -> None:
-        self.by = by
+    def __init__(self, by: str, block_size: int = CONFIG.block_size, windows: int = 64, augment: bool = False) -> None:
+        self.by, self.augment = by, augment
         pattern = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(0))
         self.tokens = pattern.repeat((windows * block_size) // 97 + 2)
         self.block_size, self.windows = block_size, windows
@@ -53,29 +56,39 @@ class TokenStream(IterableDataset):
         workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
         for window in range(index, self.windows, count)[worker_id::workers]:
             start = window * self.block_size
-            chunk = self.tokens[start : start + self.block_size + 1]
+            chunk = self.tokens[start : start + self.block_size + 1].clone()
+            if self.augment:
+                chunk[torch.randint(0, self.block_size, ())] = torch.randint(0, 64, ())
             yield chunk[:-1], chunk[1:]
 
 
-def _fit(strategy: Any, *, by: str, batch: int, moe: bool = False) -> list[float]:
-    torch.manual_seed(1234)
+def _fit(strategy: Any, *, by: str, batch: int, moe: bool = False, augment: bool = False) -> list[float]:
+    pl.seed_everything(1234, workers=augment, verbose=False)  # workers=True: what LightningCLI (lightscale fit) sets
     module = SGDGPTModule(MOE if moe else CONFIG, sgd_lr=SGD_LR)
     losses = StepLosses()
     trainer = quiet_trainer(strategy, devices=dist.get_world_size(), max_steps=STEPS, callbacks=[losses])
-    trainer.fit(module, DataLoader(TokenStream(by), batch_size=batch, num_workers=1))
+    trainer.fit(module, DataLoader(TokenStream(by, augment=augment), batch_size=batch, num_workers=1))
     return losses.steps
 
 
 def _references() -> dict[str, list[float]]:
-    return {"dense": _fit("auto", by="rank", batch=BATCH), "moe": _fit("auto", by="rank", batch=2 * BATCH, moe=True)}
+    return {
+        "dense": _fit("auto", by="rank", batch=BATCH),
+        "moe": _fit("auto", by="rank", batch=2 * BATCH, moe=True),
+        "augmented": _fit("auto", by="rank", batch=BATCH, augment=True),
+    }
 
 
 def _by_data_shard() -> dict[str, list[float]]:
+    # Named "<reference>/<layout>": the one-process run each must match.
     runs = {
-        name: _fit(Parallel3DStrategy(**degrees), by="data_shard", batch=BATCH) for name, degrees in LAYOUTS.items()
+        f"dense/{name}": _fit(Parallel3DStrategy(**degrees), by="data_shard", batch=BATCH)
+        for name, degrees in LAYOUTS.items()
     }
     for by in ("data_shard", "rank"):  # ep2: every rank is its own data shard, so its rank is right too
-        runs[f"ep2/{by}"] = _fit(Parallel3DStrategy(ep=2), by=by, batch=BATCH, moe=True)
+        runs[f"moe/ep2/{by}"] = _fit(Parallel3DStrategy(ep=2), by=by, batch=BATCH, moe=True)
+    # Workers seeded under seed_everything(workers=True): by the data shard, so both tp ranks draw the same tokens.
+    runs["augmented/tp2"] = _fit(Parallel3DStrategy(tp=2), by="data_shard", batch=BATCH, augment=True)
     return runs
 
 
@@ -83,13 +96,14 @@ def test_sharding_by_data_shard_trains_like_one_process() -> None:
     reference = run_distributed(_references, world_size=1)[0]
     runs = run_distributed(_by_data_shard, world_size=2, timeout_s=600)[0]
     for name, losses in runs.items():
-        expected = reference["moe" if name.startswith("ep2") else "dense"]
+        expected = reference[name.split("/")[0]]
         assert relative_difference(losses, expected) <= TOLERANCE, (name, losses, expected)
     assert reference["dense"][-1] < reference["dense"][0]  # it trains: the comparison is not vacuous
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_tp2"])
 def test_sharding_by_rank_is_refused(layout: str) -> None:
+    # One launch each: a refused run ends its ranks (the failure watcher may end a peer before it raises itself).
     # ep2_tp2 on 4 ranks: 2 data shards (the ep ranks), each read by a tp pair; by rank, each rank reads its own.
     degrees, ranks = ({"ep": 2, "tp": 2}, 4) if layout == "ep2_tp2" else (LAYOUTS[layout], 2)
     axis = layout[:2] if layout != "ep2_tp2" else "tp"

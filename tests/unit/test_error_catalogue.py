@@ -167,6 +167,47 @@ def _data(**kwargs):
     GPTDataModule(**kwargs)
 
 
+def _token_dir(header: tuple[int, int, int] | None = None, *, raw: bytes = b"", **kwargs):
+    """GPTDataModule(data_dir=...).setup over a train.bin with llm.c ``header`` (+100 uint16 tokens) or ``raw``."""
+    import numpy as np
+
+    from lightscale.recipes.gpt.data import GPTDataModule
+    from lightscale.recipes.gpt.token_files import write_token_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if header is not None:
+            ints = np.zeros(256, dtype="<i4")
+            ints[:3] = header
+            raw = ints.tobytes() + np.arange(100, dtype="<u2").tobytes()
+        (Path(tmp) / "train.bin").write_bytes(raw)
+        write_token_file(Path(tmp) / "val.bin", np.arange(100))
+        GPTDataModule(data_dir=tmp if raw else str(Path(tmp) / "missing"), block_size=8, **kwargs).setup("fit")
+
+
+def _without(module: str, call):
+    """``call()`` as on a machine where the optional ``module`` is not installed."""
+    import sys
+
+    with mock.patch.dict(sys.modules, {module: None}):
+        call()
+
+
+def _vocab_past_model():
+    import lightning.pytorch as pl
+
+    from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+
+    class BigVocab(GPTDataModule):  # as a tokenizer.json of 50257 tokens would declare
+        def setup(self, stage: str) -> None:
+            super().setup(stage)
+            self.vocab_size = 50257
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = BigVocab(block_size=16, batch_size=2, cache_dir=tmp)
+        trainer.fit(GPTModule(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)), data)
+
+
 def _module(**kwargs):
     from lightscale.recipes.gpt import GPTModule
 
@@ -278,6 +319,12 @@ def _stages(n_layer, stages):
     gpt_stage_modules(_cfg(n_layer=n_layer, tie_weights=False), stages)
 
 
+def _moe_layer(dim):
+    from lightscale.parallel.moe import MoE, MoEConfig
+
+    return MoE(dim, MoEConfig(n_experts=2))
+
+
 def _precision_section(name):
     from lightscale.strategies.deepspeed_config import precision_section
 
@@ -365,6 +412,22 @@ def _diloco(world_size=None, **kwargs):
     strategy = DiLoCoStrategy(**kwargs)
     if world_size is not None:  # the layout is checked at setup, once the world size is known
         strategy.parallel_dims(world_size)
+
+
+def _fault_tolerance(call=None, **kwargs):
+    from lightscale.parallel.diloco import FaultTolerance
+
+    with mock.patch.dict(os.environ, {"LIGHTSCALE_REPLICA_ID": ""}):
+        ft = FaultTolerance(**kwargs)
+        return getattr(ft, call)() if call else ft
+
+
+def _without_torchft():
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)):
+        return _diloco(fault_tolerant=True)
 
 
 def _error(name: str) -> type[BaseException]:
@@ -529,7 +592,7 @@ CATALOGUE: list[tuple] = [
     ("data-workers", "negative num_workers", lambda: _data(num_workers=-1), VE, r"num_workers must be >= 0, got -1"),
     ("data-smaller-than-dp", "dataset smaller than one global batch (batch x data-parallel degree)",
      lambda: _sampler(6, 2, 4), VE, r"6 samples, fewer than one global batch of 8 \(batch_size=2 x num_replicas=4\)"),
-    ("data-too-few-tokens", "fewer tokens than one window", lambda: _windows(5, 8), VE,
+    ("data-too-few-tokens", "fewer tokens than one window", lambda: _windows(5, 8), CE,
      r"5 tokens cannot fill one window of block_size=8"),
     ("cli-unknown-flag", "unknown trainer flag on the command line", lambda: _cli("--trainer.max_stepz", "3"), SE,
      r"max_stepz"),
@@ -545,6 +608,20 @@ CATALOGUE: list[tuple] = [
     ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",
      lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="16-mixed"), CE,
      r"precision='16-mixed' cannot run under the zero strategies on cpu.*Valid precisions there: 32-true, bf16-mixed"),
+    ("float8-zero", "float8 under a ZeRO name",
+     lambda: _lightscale().Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="float8"), CE,
+     r"precision='float8' cannot run under the zero strategies on cpu: DeepSpeed.*Valid precisions there: 32-true"),
+    ("float8-cpu", "precision='float8' on CPU without torchao's emulation",
+     lambda: _lightscale().Trainer(strategy="fsdp2", accelerator="cpu", devices=1, precision="float8"), CE,
+     r"precision='float8' cannot run under the fsdp2 strategies on cpu.*emulate=True"),
+    ("float8-strategy", "float8 under a strategy with no float8 path (Lightning's auto)",
+     lambda: _lightscale().Trainer(accelerator="cpu", devices=1, precision="float8-rowwise"), CE,
+     r"precision='float8-rowwise' runs under the fsdp2 and parallel_3d strategies.*strategy='auto'"),
+    ("float8-name", "unknown Float8Precision name",
+     lambda: _lightscale().Float8Precision("fp8"), CE,
+     r"name='fp8' is not valid; choose one of float8, float8-rowwise"),
+    ("moe-expert-width", "MoE widths grouped GEMM cannot take (not multiples of 8)",
+     lambda: _moe_layer(20), ValueError, r"multiples of 8.*dim=20"),
     ("compression-bf16-true-fp16", "fp16 gradient compression of bf16-true gradients",
      lambda: _lightscale().Trainer(strategy=_fsdp2(compression="fp16"), accelerator="cpu", devices=1,
                                    precision="bf16-true"), CE,
@@ -584,6 +661,35 @@ CATALOGUE: list[tuple] = [
     ("gpt-data-missing-file", "GPTDataModule text_files naming a missing file",
      lambda: _data(text_files=["missing_corpus.txt"]), CE,
      r"no such file \['missing_corpus\.txt'\].*text_files=None"),
+    ("gpt-data-both", "GPTDataModule given both text_files and data_dir",
+     lambda: _data(text_files=[], data_dir="data/gpt2"), CE,
+     r"text_files=\[\] and data_dir='data/gpt2'; valid: one of them"),
+    ("gpt-token-format", "GPTDataModule token_format not a known format", lambda: _data(token_format="llm.c"), CE,
+     r"token_format='llm.c' is not valid; choose one of \['auto', 'nanogpt', 'llmc'\]"),
+    ("gpt-data-dir-empty", "GPTDataModule data_dir without train/val token files (at setup)",
+     lambda: _token_dir(), CE, r"holds no token data \(no such directory\).*train\.bin and val\.bin.*prepare"),
+    ("gpt-token-magic", "token file read as llm.c with a wrong magic number (at setup)",
+     lambda: _token_dir((20240519, 1, 100), token_format="llmc"), CE,
+     r"has magic 20240519, not llm\.c's 20240520.*token_format='nanogpt'"),
+    ("gpt-token-version", "llm.c token file of an unknown version/dtype (at setup)",
+     lambda: _token_dir((20240520, 3, 100)), CE, r"llm\.c version 3; valid versions: 1 \(uint16 tokens\) and 2"),
+    ("gpt-token-truncated", "llm.c header claiming more tokens than the file holds (at setup)",
+     lambda: _token_dir((20240520, 1, 1000)), CE, r"claims 1000 uint16 tokens in its header but holds 100"),
+    ("gpt-token-odd", "raw (nanoGPT) token file of an odd number of bytes (at setup)",
+     lambda: _token_dir(raw=b"\0" * 201), CE, r"has 201 bytes, not a whole number of uint16 tokens"),
+    ("gpt-token-short", "token file shorter than one window (at setup)", lambda: _token_dir(raw=b"\0" * 10), CE,
+     r"train\.bin: 5 tokens cannot fill one window of block_size=8 \(\+1 target\)\. Valid: at least 9 tokens"),
+    ("extra-litdata", "lightscale.streams.shard_litdata without litdata installed",
+     lambda: _without("litdata.utilities.env", lambda: _lightscale().streams.shard_litdata(None)), ImportError,
+     r"litdata\.utilities\.env is not installed; install it with: pip install 'lightscale\[litdata\]'"),
+    ("extra-datasets", "lightscale.streams.shard_hf without Hugging Face datasets installed",
+     lambda: _without("datasets.distributed", lambda: _lightscale().streams.shard_hf(None)), ImportError,
+     r"datasets\.distributed is not installed; install it with: pip install 'lightscale\[data\]'"),
+    ("extra-tokenizers", "GPTDataModule(tokenizer=...) without the tokenizers package",
+     lambda: _without("tokenizers", lambda: _data(tokenizer="tokenizer.json")), ImportError,
+     r"tokenizers is not installed; install it with: pip install 'lightscale\[data\]'"),
+    ("gpt-vocab-past-model", "data vocabulary larger than the GPT's vocab_size (at setup)", _vocab_past_model, CE,
+     r"vocabulary has 50257 tokens but the model's vocab_size is 256.*vocab_size >= 50257"),
     ("ckpt-other-shape", "resuming a checkpoint of a differently shaped model (keys and shapes named)",
      _other_shape_checkpoint, CE,
      r"last\.ckpt was saved from a differently shaped model: tok_embeddings\.weight: checkpoint \(256, 16\), "
@@ -635,6 +741,22 @@ CATALOGUE: list[tuple] = [
     ("diloco-local-sgd-compression", "local_sgd with a compressed wire (it would round the parameters)",
      lambda: _diloco(mode="local_sgd", compression="int8"), CE,
      r"compression='int8' cannot serve mode='local_sgd'.*Use compression='none'"),
+    ("diloco-ft-workers", "fault-tolerant DiLoCo given a number of workers (each worker is a launch)",
+     lambda: _diloco(workers=2, fault_tolerant=True), CE,
+     r"workers=2 cannot be set with fault_tolerant.*Leave workers"),
+    ("diloco-ft-wire", "fault-tolerant DiLoCo with a compressed or streaming outer wire",
+     lambda: _diloco(fault_tolerant=True, compression="int8"), CE,
+     r"needs fragments=1, overlap_steps=0 and compression='none', not .*compression='int8'"),
+    ("diloco-ft-replica-id", "fault-tolerant DiLoCo worker without a name",
+     lambda: _fault_tolerance("resolved_replica_id"), CE,
+     r"needs a name.*FaultTolerance\(replica_id='worker_0'\) or set LIGHTSCALE_REPLICA_ID"),
+    ("diloco-ft-min-replicas", "fault-tolerant DiLoCo with min_replicas=0", lambda: _fault_tolerance(min_replicas=0),
+     CE, r"min_replicas=0 is not valid; use an integer >= 1"),
+    ("diloco-ft-extra", "fault-tolerant DiLoCo without torchft installed (the ft extra)", _without_torchft, CE,
+     r"runs on torchft, not installed: pip install 'lightscale\[ft\]'"),
+    ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
+     lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
+     r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),
     ("batch-check-every", "check_batches_every below 1", lambda: _p3d(tp=2, check_batches_every=0), CE,
      r"check_batches_every=0 is not valid: use a positive number of training steps.*or None"),
     ("batches-disagree", "ranks of one data shard (tp, pp) given different batches (a dataset sharded by get_rank())",

@@ -132,3 +132,35 @@ def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_sizes_parse() -> None:
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40 GB") == 40e9
+
+
+@pytest.mark.parametrize(
+    ("settings", "extra"),
+    [({}, 8), ({"mode": "local_sgd"}, 4), ({"outer_momentum": 0.0}, 4), ({"compression": "int8"}, 12)],
+)
+def test_diloco_counts_its_outer_state_exactly(settings: dict, extra: int) -> None:
+    from lightscale.parallel.diloco import OuterSync
+    from lightscale.strategies import DiLoCoStrategy
+
+    module = GPTModule(SMALL)
+    ddp = estimate_memory(module, "bucketed_ddp", world_size=4)
+    diloco = estimate_memory(module, DiLoCoStrategy(**settings), world_size=4)
+    psi = ddp.num_params
+    assert diloco.optimizer.device - ddp.optimizer.device == extra * psi  # fp32 global copy, momentum, residual
+    assert (diloco.parameters, diloco.gradients) == (ddp.parameters, ddp.gradients)
+    fsdp = estimate_memory(module, "fsdp2", world_size=2)
+    inside = estimate_memory(module, DiLoCoStrategy(workers=2, inner="fsdp2", **settings), world_size=4)
+    assert inside.optimizer.device - fsdp.optimizer.device == extra * fsdp.parameters.device / 4  # sharded alike
+    if "compression" in settings:
+        return
+    # What OuterSync really holds after a round (one worker: the mean is its own payload).
+    strategy = DiLoCoStrategy(**settings)
+    module.configure_model()
+    sync = OuterSync(
+        module.named_parameters(), sync_every=1, mode=strategy.mode, reduce=lambda payload: payload,
+        outer_optimizer=strategy._outer_optimizer if strategy.mode == "diloco" else None,
+    )  # fmt: skip
+    sync.after_inner_step(1)
+    states = [s for f in sync.fragments if f.optimizer for st in f.optimizer.state.values() for s in st.values()]
+    held = sum(t.nbytes for _, t in sync.named_globals()) + sum(s.nbytes for s in states if s.dim())
+    assert held == extra * psi

@@ -100,3 +100,12 @@ def test_installer_keeps_present_packages_and_replaces_too_old_ones(tmp_path: Pa
     assert decisions["msgpack-1.2.4-py3-none-any.whl"] == "skip (msgpack 1.0.0 present)"
     assert decisions["pytest-9.2.0-py3-none-any.whl"] == "skip (pytest 8.0.0 present)"
     assert gpu_wheels.check_folder(tmp_path) == []
+
+
+def test_moe_and_float8_rows_are_planned_and_the_grouped_row_runs_on_cpu() -> None:
+    names = [check.name for check in gpu_check.CHECKS]
+    assert names.index("mfu") < names.index("grouped_gemm") < names.index("float8")
+    import gpu_moe_float8
+
+    row = gpu_moe_float8.grouped_vs_loop(experts=4, width=16, tokens=32, repeats=1)
+    assert row["token copies"] == 64 and row["experts"] == 4 and row["grouped / loop"] > 0

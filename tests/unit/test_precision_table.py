@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, MixedPrecision
 
 import lightscale
-from lightscale.plugins.fsdp_precision import MixedTensorGradScaler, fsdp2_precision_plugin, mp_policy
-from lightscale.plugins.precision_contract import DTYPES, FAMILIES, PRECISIONS, meaning, render_table
+from lightscale.plugins.fsdp_precision import Float8Precision, MixedTensorGradScaler, fsdp2_precision_plugin, mp_policy
+from lightscale.plugins.precision_contract import DTYPES, FAMILIES, FLOAT8, PRECISIONS, meaning, render_table
 from lightscale.strategies.registry import family_members
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins" / "precision.md"
@@ -53,8 +53,15 @@ def _plugins(precision: str) -> dict[str, object]:
     return plugins
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", [name for name in PRECISIONS if name not in FLOAT8])
 def test_lightning_throughput_monitor_reads_our_plugins(precision: str) -> None:
     """ThroughputMonitor picks the peak FLOPs by this dtype; an unknown plugin would count as fp32."""
     for family, plugin in _plugins(precision).items():
         assert _plugin_to_compute_dtype(plugin) == DTYPES[meaning(family, precision).compute], (family, plugin)
+
+
+def test_float8_plugin_reads_as_bf16_compute() -> None:
+    """float8 runs under fsdp2 and parallel_3d only; its plugin is bf16-mixed to Lightning (bf16 peak FLOPs)."""
+    for name in FLOAT8:
+        assert _plugin_to_compute_dtype(Float8Precision(name, "cpu", emulate=True)) == torch.bfloat16
+        assert meaning("fsdp2", name).compute == meaning("parallel_3d", name).compute == "bf16"

@@ -3,7 +3,7 @@
 :class:`FaultTolerantOuterSync` runs it across workers that may fail and rejoin (torchft, the ``[ft]`` extra).
 """
 
-from lightscale.parallel.diloco.fault_tolerant import FaultTolerantOuterSync, RoundRecord
+from lightscale.parallel.diloco.fault_tolerant import FaultTolerance, FaultTolerantOuterSync, RoundRecord
 from lightscale.parallel.diloco.outer_sync import MODES, OuterSync, check_outer_settings, nesterov_outer_optimizer
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
 from lightscale.parallel.diloco.wire import Codec
@@ -11,6 +11,7 @@ from lightscale.parallel.diloco.wire import Codec
 __all__ = [
     "MODES",
     "Codec",
+    "FaultTolerance",
     "FaultTolerantOuterSync",
     "OuterSync",
     "RoundRecord",

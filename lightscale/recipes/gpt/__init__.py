@@ -1,4 +1,4 @@
-"""A nanoGPT-sized decoder-only transformer recipe: single-device model, byte-level data, LightningModule."""
+"""A nanoGPT-sized decoder-only transformer recipe: single-device model, text or token-file data, LightningModule."""
 
 from lightscale.recipes.gpt.data import ByteTokenizer, GPTDataModule
 from lightscale.recipes.gpt.model import GPT, GPTConfig

@@ -1,6 +1,8 @@
-"""Data for the GPT recipe: text -> byte tokens -> cached uint16 memmap -> fixed windows -> a sharded stream.
+"""Data for the GPT recipe: text -> tokens -> cached memmap -> fixed windows -> a sharded stream.
 
-The default corpus ships with every CPython (``pydoc_data``), so the recipe runs offline with no downloads.
+The default corpus ships with every CPython (``pydoc_data``), so the recipe runs offline with no downloads. Text is
+tokenized by bytes or by a local ``tokenizer.json``; token files other tools wrote (nanoGPT, llm.c, litdata) are read
+as they are (token_files.py).
 
 Example:
     >>> dm = GPTDataModule(block_size=64, batch_size=4)
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -24,13 +25,20 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.recipes.gpt.token_files import (
+    BPETokenizer,
+    TokenWindows,
+    check_token_format,
+    open_token_dir,
+    token_dir_vocab,
+    write_atomically,
+)
 from lightscale.strategies.sampler import position_in_epoch
-
-TOKEN_DTYPE = np.uint16  # half the disk of int32; fits any vocabulary up to 65,536
 
 
 class Tokenizer(Protocol):
     vocab_size: int
+    fingerprint: str  # names the token cache: equal fingerprints must encode equally
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -41,6 +49,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: no vocabulary file, no training, every string round-trips."""
 
     vocab_size = 256
+    fingerprint = "ByteTokenizer:256"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
@@ -74,52 +83,24 @@ def read_corpus(texts: list[str] | None) -> str:
     return "\n\n".join(Path(path).read_text(encoding="utf-8") for path in texts)
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 where the vocabulary fits (half the disk), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
 def tokenize_to_memmap(texts: list[str] | None, cache_dir: Path, tokenizer: Tokenizer) -> Path:
     """Tokenize ``texts`` (file paths; the default corpus when None) into ``cache_dir/<name>-<hash>.bin``.
 
     The name hashes the text and the tokenizer, so a cached file is reused only for identical inputs. The file is
     written to a temporary name and renamed, so concurrent ranks or runs never read a half-written file.
     """
-    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise ValueError(f"vocab_size={tokenizer.vocab_size} does not fit in {np.dtype(TOKEN_DTYPE).name} tokens")
     text = read_corpus(texts)
-    digest = hashlib.sha256(f"{type(tokenizer).__name__}:{tokenizer.vocab_size}\0".encode())
+    digest = hashlib.sha256(f"{tokenizer.fingerprint}\0".encode())
     digest.update(text.encode("utf-8"))
-    cache_dir = Path(cache_dir)
-    path = cache_dir / f"tokens-{digest.hexdigest()[:20]}.bin"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tokens = tokenizer.encode(text).astype(TOKEN_DTYPE)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(tokens.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic within one file system, hence the temp file sits in cache_dir
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    path = Path(cache_dir) / f"tokens-{digest.hexdigest()[:20]}.bin"
+    if not path.exists():
+        write_atomically(path, [tokenizer.encode(text).astype(token_dtype(tokenizer.vocab_size)).tobytes()])
     return path
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows: item ``i`` is ``(tokens[iT:(i+1)T], tokens[iT+1:(i+1)T+1])`` as int64."""
-
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
-        if len(tokens) < block_size + 1:
-            raise ValueError(f"{len(tokens)} tokens cannot fill one window of block_size={block_size} (+1 target)")
-        self.tokens = tokens
-        self.block_size = block_size
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.block_size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.block_size
-        chunk = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
-        return chunk[:-1], chunk[1:]
 
 
 class StreamSampler(DistributedSampler):
@@ -208,7 +189,12 @@ class StreamSampler(DistributedSampler):
 
 
 class GPTDataModule(pl.LightningDataModule):
-    """Byte-level language-model data over ``text_files`` (default: CPython's ``pydoc_data`` help texts).
+    """Language-model data: ``text_files`` (default: CPython's ``pydoc_data`` help texts) or a ``data_dir`` of tokens.
+
+    Text is tokenized by UTF-8 bytes, or by ``tokenizer`` (a local ``tokenizer.json``, the ``tokenizers`` package).
+    ``data_dir`` holds ``train.bin``/``val.bin`` as nanoGPT or llm.c write them (``token_format``: ``auto`` reads
+    llm.c's header when there is one) or litdata-optimized ``train/`` and ``val/`` directories; ``val_fraction`` is
+    then unused. ``python -m lightscale.recipes.gpt.prepare`` writes such a directory from text.
 
     ``batch_size`` is the per data-parallel-rank micro-batch (Lightning convention); the global batch is
     ``batch_size * num_replicas``. Tokens split into train (first ``1 - val_fraction``) and validation (rest).
@@ -221,6 +207,9 @@ class GPTDataModule(pl.LightningDataModule):
         self,
         text_files: list[str] | None = None,
         *,
+        data_dir: str | None = None,
+        tokenizer: str | None = None,
+        token_format: str = "auto",
         block_size: int = 128,
         batch_size: int = 8,
         val_fraction: float = 0.1,
@@ -244,8 +233,16 @@ class GPTDataModule(pl.LightningDataModule):
                 f"GPTDataModule(text_files=...): no such file {missing}. Valid: existing text files, or "
                 "text_files=None for the default corpus."
             )
+        if text_files is not None and data_dir is not None:
+            raise ConfigurationError(
+                f"GPTDataModule got text_files={text_files} and data_dir={data_dir!r}; valid: one of them (text is "
+                "tokenized here, a data_dir holds tokens already)."
+            )
+        check_token_format(token_format)
         self.save_hyperparameters()
         self.text_files = text_files
+        self.data_dir = data_dir
+        self.token_format = token_format
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -253,21 +250,33 @@ class GPTDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.tokenizer = ByteTokenizer()
-        self.train_set: TokenWindows | None = None
-        self.val_set: TokenWindows | None = None
+        self.tokenizer: Tokenizer | None = BPETokenizer(tokenizer) if tokenizer is not None else None
+        if self.tokenizer is None and data_dir is None:
+            self.tokenizer = ByteTokenizer()
+        # The vocabulary the data draws from (GPTModule refuses a smaller model): the tokenizer's, else read from
+        # the token files at setup (None for litdata without a tokenizer).
+        self.vocab_size: int | None = self.tokenizer.vocab_size if self.tokenizer is not None else None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
 
     @override
     def prepare_data(self) -> None:
-        tokenize_to_memmap(self.text_files, self.cache_dir, self.tokenizer)
+        if self.data_dir is None:
+            tokenize_to_memmap(self.text_files, self.cache_dir, self.tokenizer)
 
     @override
     def setup(self, stage: str) -> None:
+        if self.data_dir is not None:
+            splits = open_token_dir(self.data_dir, block_size=self.block_size, token_format=self.token_format)
+            self.train_set, self.val_set = splits["train"], splits["val"]
+            if self.vocab_size is None:
+                self.vocab_size = token_dir_vocab(splits)
+            return
         path = tokenize_to_memmap(self.text_files, self.cache_dir, self.tokenizer)  # cached: only hashes the text
-        tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        tokens = np.memmap(path, dtype=token_dtype(self.tokenizer.vocab_size), mode="r")
         split = int(len(tokens) * (1.0 - self.val_fraction))
-        self.train_set = TokenWindows(tokens[:split], self.block_size)
-        self.val_set = TokenWindows(tokens[split:], self.block_size)
+        self.train_set = TokenWindows(tokens[:split], self.block_size, source="the training split")
+        self.val_set = TokenWindows(tokens[split:], self.block_size, source="the validation split")
 
     def replicas(self) -> tuple[int, int]:
         """``(num_replicas, rank)`` of data parallelism, from the attached trainer's strategy when there is one."""
@@ -278,7 +287,7 @@ class GPTDataModule(pl.LightningDataModule):
             return 1, 0
         return kwargs["num_replicas"], kwargs["rank"]
 
-    def _loader(self, dataset: TokenWindows | None, *, train: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, *, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("GPTDataModule.setup() must run before asking for a dataloader")
         num_replicas, rank = self.replicas()

@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.checkpoint import allow_in_checkpoints
+from lightscale.errors import ConfigurationError
 from lightscale.parallel.contract import TransformerShape
 from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.tensor_parallel import TPPlan
+from lightscale.recipes.gpt.data import GPTDataModule
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token
 from lightscale.recipes.gpt.parallelize import (
     gpt_stage_modules,
@@ -77,6 +79,18 @@ class GPTModule(pl.LightningModule):
         self.flops_per_token = flops_per_token(self.config)
         # Read by throughput callbacks; one full sequence until the first batch tells the real size.
         self.flops_per_batch: int = self.flops_per_token * self.config.block_size
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Refuse data whose tokens the embedding cannot look up (Lightning sets the datamodule up first)."""
+        data = self.trainer.datamodule
+        vocab = data.vocab_size if isinstance(data, GPTDataModule) else None
+        if vocab is not None and vocab > self.config.vocab_size:
+            raise ConfigurationError(
+                f"The data's vocabulary has {vocab} tokens but the model's vocab_size is {self.config.vocab_size}: "
+                f"token ids up to {vocab - 1} would index past the embedding. Valid: model config vocab_size >= "
+                f"{vocab} (GPT-2's 50257 tokens: 50304, a multiple of 64)."
+            )
 
     @override
     def configure_model(self) -> None:
