@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet ninja py-cpuinfo psutil pydantic hjson msgpack packaging numpy
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation deepspeed
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,float8,data]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,float8,data,hf]"
 	@# litdata without its torchvision requirement (which would pull another torch), then the packages it imports.
 	$(BIN)/pip install --quiet --no-deps "$(LITDATA)" && $(BIN)/pip install --quiet $(LITDATA_DEPS)
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a

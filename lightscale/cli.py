@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -29,6 +30,7 @@ from lightscale.checkpoint.convert import (
     read_model_state,
     write_model_state,
 )
+from lightscale.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
 from lightscale.commands.consolidate import consolidate_command
 from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.doctor import main as doctor_main
@@ -149,7 +151,9 @@ def export(args: list[str], *, format: str = "auto") -> None:
 
     Reads ZeRO directories, DCP directories (FSDP2 and parallel_3d) and single files (bucketed_ddp, one device);
     ``export-zero`` and ``export-fsdp2`` force one format. Writes safetensors unless OUTPUT ends in .pt, .pth or
-    .bin (then ``torch.save``, weights-only loadable) or ``--format`` says otherwise.
+    .bin (then ``torch.save``, weights-only loadable) or ``--format`` says otherwise. ``--hf``: OUTPUT is a
+    directory that Hugging Face's ``from_pretrained`` loads (lightscale/checkpoint/hf_export.py); ``--averaged``:
+    a WeightAveraging callback's average instead of the raw weights.
     """
     import argparse
 
@@ -158,18 +162,39 @@ def export(args: list[str], *, format: str = "auto") -> None:
     parser.add_argument("output", help="file to write: safetensors, or torch.save for a .pt/.pth/.bin name")
     parser.add_argument("--prefix", default="model.", help="key prefix to strip; keys without it are dropped")
     parser.add_argument("--format", default=None, help="safetensors or torch (default: from OUTPUT's suffix)")
+    parser.add_argument("--averaged", action="store_true", help="a WeightAveraging callback's average, not the raw")
+    parser.add_argument("--hf", action="store_true", help="OUTPUT is a directory from_pretrained loads")
+    parser.add_argument("--module", default=None, help="with --hf: the LightningModule attribute holding the model")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="with --hf: split safetensors above it")
     parsed = parser.parse_args(args)
+    if parsed.hf:
+        _export_hf(parsed)
+        return
     target = parsed.format or infer_target(parsed.output, default="safetensors")
     if target not in ("safetensors", "torch"):
         raise ConfigurationError(f"--format {target!r} is not an export format; valid: ['safetensors', 'torch'].")
     forced = {"zero": "deepspeed", "fsdp2": "dcp"}
     try:
         source = forced.get(format) or detect_source(Path(parsed.checkpoint))
-        state = read_model_state(parsed.checkpoint, prefix=parsed.prefix, source=source)
+        state = read_model_state(parsed.checkpoint, prefix=parsed.prefix, source=source, averaged=parsed.averaged)
         write_model_state(state, parsed.output, target)
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
         raise SystemExit(f"error: {error}") from None
     print(f"wrote {len(state)} tensors to {parsed.output} ({target})")
+
+
+def _export_hf(parsed: Any) -> None:
+    try:
+        entry = export_hf(
+            parsed.checkpoint,
+            parsed.output,
+            module=parsed.module,
+            averaged=parsed.averaged,
+            max_shard_size=parsed.max_shard_size,
+        )
+    except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
+        raise SystemExit(f"error: {error}") from None
+    print(f"wrote {entry['class']} ({entry['attribute']}) to {parsed.output}: config.json + safetensors")
 
 
 def convert_command(args: list[str]) -> None:

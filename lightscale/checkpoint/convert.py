@@ -83,19 +83,25 @@ def detect_source(path: Path) -> str:
 
 
 def read_model_state(
-    checkpoint: str | os.PathLike, *, prefix: str = "model.", source: str = "auto"
+    checkpoint: str | os.PathLike, *, prefix: str = "model.", source: str = "auto", averaged: bool = False
 ) -> dict[str, Tensor]:
-    """The full model tensors of any checkpoint, keyed as the single-device model's ``state_dict``.
+    """The full model tensors of any checkpoint, keyed as the single-device model's ``state_dict``; ``averaged``:
+    a weight-averaging callback's average instead (kept in the portable layout only).
 
     Runs in one process, no process group; never runs code from the files (a payload is refused with
     :class:`~lightscale.checkpoint.safe_dcp.UnsafeCheckpointError`).
     """
     path = complete_checkpoint(Path(checkpoint))
     source = detect_source(path) if source == "auto" else source
+    if averaged and source != "dcp":
+        raise ConfigurationError(
+            f"--averaged reads the average a WeightAveraging callback saved in the portable layout; {path} is a "
+            f"{source} checkpoint, which keeps none."
+        )
     if source == "dcp":
         if not (path / ".metadata").is_file():
             check_checkpoint_dir(path)  # raises, naming what a DCP checkpoint directory holds
-        return full_model_state_dict(path, prefix=prefix)
+        return full_model_state_dict(path, prefix=prefix, part="averaged" if averaged else "model")
     if source == "deepspeed":
         return _non_empty(consolidate_zero_checkpoint(path, prefix=prefix), path, prefix)
     if source == "safetensors":

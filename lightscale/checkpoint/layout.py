@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.checkpoint.averaged import AVERAGED
 from lightscale.checkpoint.layout_file import read_file_layout
 from lightscale.checkpoint.loader_state import gather_loader_states
 from lightscale.checkpoint.rng import gather_rng_states
@@ -50,7 +51,7 @@ from lightscale.errors import ConfigurationError
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
 LAYOUT_FORMAT = 1
-_DCP_ENTRIES = ("state_dict", "optimizer_states")  # the parts of Lightning's checkpoint DCP writes as shards
+_DCP_ENTRIES = ("state_dict", "optimizer_states", AVERAGED)  # the parts of Lightning's checkpoint DCP writes as shards
 _MODEL = "model."  # DCP flattens {"model": {name: ...}} to "model.<name>"
 # Optimizer state keyed by parameter name: ranks may hold different parameters (pipeline stages) and groups.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -97,10 +98,18 @@ def save_sharded(
     save_file: Callable[[dict[str, Any], Path], None],
     *,
     writer: AsyncCheckpointWriter | None = None,
+    averaged: dict[str, Tensor] | None = None,
 ) -> None:
-    """Collectively save ``model``/``optimizers`` shards and (rank 0) ``trainer_state`` as directory ``path``."""
+    """Collectively save ``model``/``optimizers`` shards (and a weight average's, as ``averaged.*``) and (rank 0)
+    ``trainer_state`` as directory ``path``."""
     model_state, optim_state = get_state_dict(model, optimizers, options=_FLAT)
-    write_checkpoint(path, {"model": model_state, "optimizer": optim_state}, trainer_state, save_file, writer=writer)
+    state = {"model": model_state, "optimizer": optim_state, **with_average(averaged)}
+    write_checkpoint(path, state, trainer_state, save_file, writer=writer)
+
+
+def with_average(averaged: dict[str, Tensor] | None) -> dict[str, Any]:
+    """The ``averaged`` part of a checkpoint's DCP state, when a weight-averaging callback put one in."""
+    return {"averaged": averaged} if averaged is not None else {}
 
 
 def write_checkpoint(
@@ -209,8 +218,9 @@ def check_checkpoint_dir(path: Path) -> None:
         )
 
 
-def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Tensor]:
-    """The full (unsharded) model tensors of the DCP checkpoint ``path`` whose keys start with ``prefix``.
+def full_model_state_dict(path: Path, *, prefix: str = "model.", part: str = "model") -> dict[str, Tensor]:
+    """The full (unsharded) model tensors of the DCP checkpoint ``path`` whose keys start with ``prefix``;
+    ``part="averaged"`` reads a weight-averaging callback's average instead of the raw weights.
 
     Only public DCP calls: the checkpoint's metadata gives every tensor's global shape and dtype; full-size
     tensors are allocated for the model's keys alone and ``dcp.load(no_dist=True)`` fills them from the shards.
@@ -218,10 +228,16 @@ def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Te
     unpickles a non-tensor entry; ``.metadata`` is read by safe_dcp.py's restricted unpickler.
     """
     entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
-    wanted = {key[len(_MODEL) :]: meta for key, meta in entries.items() if key.startswith(_MODEL + prefix)}
+    top = part + "."
+    wanted = {key[len(top) :]: meta for key, meta in entries.items() if key.startswith(top + prefix)}
+    if not wanted and part == "averaged" and not any(key.startswith(top) for key in entries):
+        raise ConfigurationError(
+            f"{path} holds no averaged weights: it was saved without a WeightAveraging callback (see "
+            "docs/callbacks/weight_averaging.md). Read the raw weights instead."
+        )
     if not wanted:
-        models = sorted(key[len(_MODEL) :] for key in entries if key.startswith(_MODEL))[:3]
-        raise ConfigurationError(f"No model key of {path} starts with prefix {prefix!r}; keys look like {models}.")
+        models = sorted(key[len(top) :] for key in entries if key.startswith(top))[:3]
+        raise ConfigurationError(f"No {part} key of {path} starts with prefix {prefix!r}; keys look like {models}.")
     not_tensors = sorted(key for key, meta in wanted.items() if not isinstance(meta, TensorStorageMetadata))
     if not_tensors:
         raise ConfigurationError(
@@ -229,5 +245,5 @@ def full_model_state_dict(path: Path, *, prefix: str = "model.") -> dict[str, Te
             "would unpickle code). Pass a narrower prefix to leave them out."
         )
     full = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
-    load_safely({"model": full}, path, no_dist=True)
+    load_safely({part: full}, path, no_dist=True)
     return {name[len(prefix) :]: tensor for name, tensor in full.items()}

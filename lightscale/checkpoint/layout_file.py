@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightscale.checkpoint.averaged import AVERAGED_META, from_lightning_convention, without_lightning_entries
 from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
 from lightscale.checkpoint.safe_io import checkpoint_safe_globals
 from lightscale.errors import ConfigurationError
@@ -103,11 +104,15 @@ def read_file_layout(path: Path) -> FileLayout:
     if _last is not None and _last[0] == identity:
         return _last[1]
     loaded = _load(path)
-    flat = {f"model.{name}": value for name, value in loaded["state_dict"].items()}
+    raw, averaged, counter = from_lightning_convention(loaded)  # Lightning's WeightAveraging: average as state_dict
+    flat = {f"model.{name}": value for name, value in raw.items()}
+    flat |= {f"averaged.{name}": value for name, value in (averaged or {}).items()}
     described = loaded.get("lightscale", {}).get("optimizers")
     if described is not None and loaded.get("optimizer_states"):
         flat |= _flat_optimizers(loaded["optimizer_states"], described)
-    rest = {key: value for key, value in loaded.items() if key not in _LIGHTNING_TENSORS}
+    rest = {key: value for key, value in without_lightning_entries(loaded).items() if key not in _LIGHTNING_TENSORS}
+    if counter is not None:
+        rest[AVERAGED_META] = counter
     layout = FileLayout(path, flat, rest)
     _last = (identity, layout)
     return layout

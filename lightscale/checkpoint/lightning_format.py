@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightscale.checkpoint.averaged import AVERAGED_META, to_lightning_convention
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
 from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, load_safely
@@ -95,29 +96,34 @@ def lightning_checkpoint(
     path: str | os.PathLike,
     *,
     optimizer: bool = False,
+    averaged: bool = True,
     map_location: MapLocation = None,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """The Lightning checkpoint dictionary of the lightscale checkpoint directory ``path`` (see the module docstring).
 
     ``weights_only=False`` (an explicit opt-in, as for Lightning's own files) lets ``trainer_state.pt`` hold classes
-    outside the allow-list; tensors are read safely either way.
+    outside the allow-list; tensors are read safely either way. A ``WeightAveraging`` average is given as Lightning's
+    callback writes it (``state_dict`` the average, ``current_model_state`` the raw weights: checkpoint/averaged.py);
+    ``averaged=False`` leaves it out (``state_dict`` the raw weights).
     """
     path = Path(path)
     if (path / CHECKPOINT_TAG).is_dir():
         checkpoint = _from_deepspeed(path)
     else:
         check_checkpoint_dir(path)
-        checkpoint = _from_layout(path, optimizer=optimizer, weights_only=weights_only)
+        checkpoint = _from_layout(path, optimizer=optimizer, weights_only=weights_only, averaged=averaged)
     return _mapped(checkpoint, map_location)
 
 
-def _from_layout(path: Path, *, optimizer: bool, weights_only: bool | None) -> dict[str, Any]:
+def _from_layout(path: Path, *, optimizer: bool, weights_only: bool | None, averaged: bool) -> dict[str, Any]:
     rest = _read_trainer_state(path / TRAINER_STATE, weights_only=weights_only)
     writer = rest.pop("lightscale", {})
     rest.pop("diloco", None)  # DiLoCo's worker bookkeeping; its global model is the state_dict
     described = writer.get("optimizers")
     checkpoint = {**rest, "state_dict": full_model_state_dict(path, prefix="")}
+    average = full_model_state_dict(path, prefix="", part="averaged") if AVERAGED_META in rest and averaged else None
+    checkpoint = to_lightning_convention(checkpoint, average)
     missing = _why_no_optimizer_state(path, writer)
     if optimizer and missing is None:
         checkpoint["optimizer_states"] = read_optimizer_states(path, described)
@@ -215,6 +221,9 @@ def _torch_optimizer_state(flat: dict[str, Any], groups: list[list[str]]) -> dic
     return {"state": state, "param_groups": param_groups}
 
 
+_TENSOR_ENTRIES = ("state_dict", "optimizer_states", "current_model_state")  # current_model_state: averaged.py
+
+
 def _mapped(checkpoint: dict[str, Any], map_location: MapLocation) -> dict[str, Any]:
     """``map_location`` applied as ``torch.load`` would, to the tensors read from the shards (all on the CPU)."""
     if map_location is None:
@@ -229,9 +238,7 @@ def _mapped(checkpoint: dict[str, Any], map_location: MapLocation) -> dict[str, 
             return [move(item) for item in value]
         return value
 
-    return {
-        key: move(value) if key in ("state_dict", "optimizer_states") else value for key, value in checkpoint.items()
-    }
+    return {key: move(value) if key in _TENSOR_ENTRIES else value for key, value in checkpoint.items()}
 
 
 def _map_tensor(tensor: Tensor, map_location: MapLocation) -> Tensor:

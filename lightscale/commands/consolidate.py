@@ -37,12 +37,14 @@ from lightscale.errors import ConfigurationError
 WITHOUT_OPTIMIZER = "consolidated without --with-optimizer"
 
 
-def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, with_optimizer: bool = False) -> dict:
+def consolidate(
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, with_optimizer: bool = False, averaged: bool = True
+) -> dict:
     """Write ``checkpoint`` (a lightscale directory or a single Lightning file) as the Lightning file ``output``;
     returns what was written."""
     path = complete_checkpoint(Path(checkpoint))
     if is_lightscale_directory(path):
-        result = lightning_checkpoint(path, optimizer=with_optimizer)
+        result = lightning_checkpoint(path, optimizer=with_optimizer, averaged=averaged)
     elif path.is_file():
         result = _read_file(path)
     else:
@@ -78,9 +80,12 @@ def consolidate_command(args: list[str]) -> None:
     parser.add_argument("checkpoint", help="a checkpoint saved by any lightscale strategy (e.g. last.ckpt)")
     parser.add_argument("output", help="the Lightning checkpoint file to write (e.g. model.ckpt)")
     parser.add_argument("--with-optimizer", action="store_true", help="include the optimizer state (fit can resume)")
+    parser.add_argument("--raw", action="store_true", help="leave a WeightAveraging average out: the raw weights")
     parsed = parser.parse_args(args)
     try:
-        result = consolidate(parsed.checkpoint, parsed.output, with_optimizer=parsed.with_optimizer)
+        result = consolidate(
+            parsed.checkpoint, parsed.output, with_optimizer=parsed.with_optimizer, averaged=not parsed.raw
+        )
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
         raise SystemExit(f"error: {error}") from None
     optimizers = len(result.get("optimizer_states", []))

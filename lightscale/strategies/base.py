@@ -43,7 +43,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
-from lightscale.checkpoint.layout import load_sharded, read_rest, save_sharded, saved_rng_states, trainer_state_of
+from lightscale.checkpoint.averaged import to_lightning_convention
+from lightscale.checkpoint.hf_export import MODELS, describe_models
+from lightscale.checkpoint.layout import (
+    AVERAGED,
+    load_sharded,
+    read_rest,
+    save_sharded,
+    saved_rng_states,
+    trainer_state_of,
+)
 from lightscale.checkpoint.lightning_format import describe_optimizers
 from lightscale.checkpoint.loader_state import take_own_loader_state
 from lightscale.checkpoint.rng import restore_rng_states
@@ -60,6 +69,7 @@ from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.strategies.loader_position import maybe_track_trained_position
 from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
 
 log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
@@ -256,7 +266,14 @@ class LightscaleStrategy(ProcessStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            adopt_weight_averaging(trainer, self.lightning_module)
         self.barrier()  # no rank starts a step (its collectives) before every rank's model is ready
+
+    def local_shards(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The pieces of ``module``'s (default: the LightningModule's) parameters and buffers this rank holds, by name:
+        writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
+        an EMA (lightscale/strategies/weight_averaging.py)."""
+        return local_shards(module if module is not None else self.lightning_module)
 
     def configure_precision(self, plugin: Precision) -> Precision:
         """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
@@ -353,7 +370,9 @@ class LightscaleStrategy(ProcessStrategy):
         with self.checkpoint_module() as module:
             rest = self.trainer_state(checkpoint)
             save_file = self.checkpoint_io.save_checkpoint
-            save_sharded(path, module, self.optimizers, rest, save_file, writer=self.checkpoint_writer)
+            averaged = checkpoint.get(AVERAGED)  # a WeightAveraging callback's (strategies/weight_averaging.py)
+            writer = self.checkpoint_writer
+            save_sharded(path, module, self.optimizers, rest, save_file, writer=writer, averaged=averaged)
 
     def save_single_file(self, checkpoint: dict[str, Any], path: Path) -> None:
         """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
@@ -361,16 +380,20 @@ class LightscaleStrategy(ProcessStrategy):
         lets every strategy read it as the layout (lightscale/checkpoint/layout_file.py). Rank 0 writes, atomically."""
         rest = self.trainer_state(checkpoint)  # collective
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint({**checkpoint, "lightscale": rest["lightscale"]}, path)
+            # a WeightAveraging average as Lightning's own callback writes it (lightscale/checkpoint/averaged.py)
+            single = to_lightning_convention({**checkpoint, "lightscale": rest["lightscale"]})
+            self.checkpoint_io.save_checkpoint(single, path)
         self.barrier("save_single_file")
 
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
-        holding every rank's random state and the optimizers' parameter groups (collective)."""
+        holding every rank's random state, the optimizers' parameter groups and the exportable models (collective)."""
         optimizers = self.saved_optimizers()
-        return trainer_state_of(
+        state = trainer_state_of(
             checkpoint, strategy=type(self).__name__, world_size=self.world_size, optimizers=optimizers
         )
+        state["lightscale"][MODELS] = describe_models(self.lightning_module)  # what `lightscale export --hf` rebuilds
+        return state
 
     def saved_optimizers(self) -> list[dict[str, Any]] | None:
         """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries

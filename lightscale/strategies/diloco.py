@@ -55,6 +55,7 @@ from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_mode
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.weight_averaging import drop_average
 
 Inner = Literal["bucketed_ddp", "fsdp2"]
 INNERS: tuple[str, ...] = ("bucketed_ddp", "fsdp2")
@@ -375,6 +376,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
         if self.outer is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))

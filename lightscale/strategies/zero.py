@@ -29,7 +29,7 @@ from lightscale.checkpoint.deepspeed_dir import (
     safe_checkpoint_engine,
     save_engine_directory,
 )
-from lightscale.checkpoint.layout import lightning_rest, write_checkpoint
+from lightscale.checkpoint.layout import AVERAGED, lightning_rest, with_average, write_checkpoint
 from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.checkpoint.zero_portable import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.errors import ConfigurationError
@@ -58,6 +58,7 @@ from lightscale.strategies.deepspeed_engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -213,6 +214,8 @@ class ZeroStrategy(LightscaleStrategy):
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
             rebind_scheduler(scheduler.scheduler, optimizer)  # type: ignore[arg-type]
+        if fitting:
+            adopt_weight_averaging(trainer, self.lightning_module)
         self.barrier()
 
     def _engine_wraps(self, module: LightningModule) -> bool:
@@ -328,10 +331,12 @@ class ZeroStrategy(LightscaleStrategy):
         target = Path(self.broadcast(str(filepath)))
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
+            drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
         rest = self.trainer_state(checkpoint)
         state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
+        state.update(with_average(checkpoint.get(AVERAGED)))
         write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
 
     @override

@@ -228,6 +228,36 @@ def _export_wrong_prefix():
         convert(Path(tmp) / "a.ckpt", Path(tmp) / "out.pt")
 
 
+def _averaged_of_a_file():
+    from lightscale.checkpoint.convert import read_model_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save({"weight": torch.zeros(1)}, Path(tmp) / "a.pt")
+        read_model_state(Path(tmp) / "a.pt", averaged=True)
+
+
+def _averaged_missing():
+    from lightscale.checkpoint.convert import save_model_dcp
+    from lightscale.checkpoint.layout import full_model_state_dict
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model_dcp({"weight": torch.zeros(1)}, Path(tmp) / "c.ckpt")
+        full_model_state_dict(Path(tmp) / "c.ckpt", prefix="", part="averaged")
+
+
+def _hf_unknown_module():
+    from lightscale.checkpoint.hf_export import choose_model
+
+    choose_model([{"attribute": "model", "class": "LlamaForCausalLM"}], "net", Path("last.ckpt"))
+
+
+def _hf_without_transformers():
+    from lightscale.checkpoint.hf_export import _save_pretrained
+
+    with mock.patch.dict("sys.modules", {"transformers": None}):
+        _save_pretrained({"class": "LlamaForCausalLM"}, {}, Path("out"), "5GB")
+
+
 def _consolidate_without_optimizer_state():
     from lightscale.checkpoint.convert import save_model_dcp
     from lightscale.commands.consolidate import consolidate
@@ -603,6 +633,14 @@ CATALOGUE: list[tuple] = [
      r"Unknown strategy 'bucketed_dp'\. Did you mean 'bucketed_ddp'"),
     ("ckpt-wrong-model", "export from a checkpoint whose keys do not match the prefix", _export_wrong_prefix, CE,
      r"starts with 'model.'; keys: \['net.weight'\]"),
+    ("ckpt-averaged-file", "export --averaged of a checkpoint format that keeps no average", _averaged_of_a_file, CE,
+     r"--averaged reads the average .* is a torch checkpoint, which keeps none"),
+    ("ckpt-averaged-missing", "export --averaged of a checkpoint saved without WeightAveraging", _averaged_missing,
+     CE, r"holds no averaged weights: it was saved without a WeightAveraging callback.*Read the raw weights"),
+    ("hf-module", "export --hf --module naming no model the checkpoint recorded", _hf_unknown_module, CE,
+     r"--module 'net' is not an exportable model of last.ckpt; recorded: \['model'\]"),
+    ("hf-extra", "export --hf of a transformers model without transformers installed", _hf_without_transformers, CE,
+     r"needs transformers: pip install 'lightscale\[hf\]'"),
     ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
      r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
     ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",

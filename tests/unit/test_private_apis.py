@@ -73,6 +73,8 @@ PRIVATE_APIS = [
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "ZeRO DCP"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", "ZeRO DCP: bit16 copies"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_full_hp_param", "ZeRO DCP: safe_get_full_*"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._swap_models", "weight averaging of local shards"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._copy_average_to_current", "weight averaging of local shards"),
     ("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
 ]
 

@@ -1,0 +1,261 @@
+"""Weight averaging (Lightning's ``WeightAveraging``: EMA, SWA) under every strategy, each rank averaging its shard.
+
+An average is elementwise, so it needs no collective: every rank keeps a copy of its *local shards* only (an FSDP2 or
+tensor-parallel DTensor's local tensor, a ZeRO-3 partition, its own pipeline stages and experts, the whole tensor
+where the strategy replicates it) and updates it from the same shards of the live model. The average costs one
+shard of memory per rank and no gather per update; only a checkpoint save of ZeRO-3 gathers, one tensor at a time,
+as the ZeRO-3 save of the weights does (lightscale/checkpoint/zero_portable.py).
+
+Lightning builds the callback's ``AveragedModel`` in ``setup``, before the strategy shards the model, and its
+``_swap_models`` / ``_copy_average_to_current`` / checkpoint hooks walk ``pl_module.parameters()`` (DTensors, empty
+ZeRO-3 placeholders). :func:`adopt_weight_averaging` runs at the end of the strategy's setup: it replaces the
+callback's averaged model by a :class:`ShardAverage` of the local shards and routes those four methods of the callback
+instance (its own class and ``should_update`` untouched) through the shard view. This is the one place Lightning's
+call order forces a trick here; the user's module is never modified.
+
+The portable checkpoint keeps the raw weights as ``model.*`` (resume and every loader unchanged) and the average
+as ``averaged.*``, sharded like the weights (DTensor shards, or whole tensors written once); single files follow
+Lightning's own convention (lightscale/checkpoint/averaged.py).
+
+Example (an EMA a user writes on the hooks, under any strategy)::
+
+    class MyEMA(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.ema = [t.clone() for t in trainer.strategy.local_shards(pl_module).values()]
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            torch._foreach_lerp_(self.ema, list(trainer.strategy.local_shards(pl_module).values()), 0.1)
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel
+
+from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
+from lightscale.checkpoint.layout import read_checkpoint
+from lightscale.parallel.collectives import all_gather_single
+
+
+def local_shards(module: nn.Module, *, buffers: bool = True) -> dict[str, Tensor]:
+    """The tensors of ``module``'s parameters (then buffers) that this rank holds, by name: writable aliases.
+
+    A DTensor gives its local tensor, a ZeRO-3 parameter its partition (``ds_tensor``; a persistent one, kept whole
+    on every rank, its data), anything else itself.
+    """
+    out = {name: _local(param) for name, param in module.named_parameters()}
+    if buffers:
+        out.update((name, _local(buffer)) for name, buffer in module.named_buffers())
+    return out
+
+
+def _local(tensor: Tensor) -> Tensor:
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().detach()  # an alias of the local shard: writes reach the parameter
+    if hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False):
+        return tensor.ds_tensor.detach()
+    return tensor.detach()
+
+
+class LocalShards(nn.Module):
+    """A module whose parameters alias ``tensors`` (no copy): what ``AveragedModel`` averages from and into."""
+
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.names = list(tensors)
+        self.shards = nn.ParameterList(nn.Parameter(t, requires_grad=False) for t in tensors.values())
+
+
+class ShardAverage(AveragedModel):
+    """torch's ``AveragedModel`` over this rank's local shards of a module; ``update_parameters(module)`` takes the
+    live (sharded) module itself. Built from clones, so it holds exactly one shard of memory."""
+
+    def __init__(self, module: nn.Module, *, use_buffers: bool, **kwargs: Any) -> None:
+        clones = {name: t.clone() for name, t in local_shards(module, buffers=use_buffers).items()}
+        super().__init__(LocalShards(clones), use_buffers=True, **kwargs)  # the shards' buffers are its parameters
+        self._buffers_too = use_buffers
+
+    def live(self, module: nn.Module) -> list[Tensor]:
+        return list(local_shards(module, buffers=self._buffers_too).values())
+
+    def shards(self) -> list[Tensor]:
+        return [p.detach() for p in self.module.shards]
+
+    def update_parameters(self, model: nn.Module) -> None:  # type: ignore[override]
+        super().update_parameters(LocalShards(dict(enumerate(self.live(model)))))  # type: ignore[arg-type]
+
+    def nbytes(self) -> int:
+        """Bytes this rank holds for the average (its shards)."""
+        return sum(t.numel() * t.element_size() for t in self.shards())
+
+
+@torch.no_grad()
+def swap_into(average: ShardAverage, module: nn.Module, *, keep: bool) -> None:
+    """Exchange the average with ``module``'s local shards (``keep=False``: copy it in, keep nothing)."""
+    _reshard(module)  # an FSDP2 root left unsharded by an eval forward would keep serving stale weights
+    for mine, live in zip(average.shards(), average.live(module), strict=True):
+        if keep:
+            held = mine.clone()
+            mine.copy_(live)
+            live.copy_(held)
+        else:
+            live.copy_(mine)
+    _reshard(module)
+
+
+def _reshard(module: nn.Module) -> None:
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+# ---- the checkpoint: ``averaged.*`` beside ``model.*`` ------------------------------------------------------------
+def portable_average(average: ShardAverage, module: nn.Module) -> dict[str, Tensor]:
+    """The average in the portable layout, under the names of ``module.state_dict()`` (tied aliases and persistent
+    buffers as ``model.*`` has them): a DTensor where the weight is one, a whole tensor elsewhere; a ZeRO-3
+    partition is gathered one tensor at a time and kept by its owner only. A buffer the callback does not average
+    (``use_buffers=False``) is saved as it is."""
+    shards = dict(zip(average.module.names, average.shards(), strict=True))
+    by_id = {id(t): shards[name] for name, t in _named_tensors(module) if name in shards}
+    out: dict[str, Tensor] = {}
+    gathered: dict[int, Tensor | None] = {}
+    for index, (name, live) in enumerate(module.state_dict(keep_vars=True).items()):
+        shard = by_id.get(id(live), _local(live))
+        if isinstance(live, DTensor):
+            out[name] = DTensor.from_local(
+                shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
+            )
+        elif _partitioned(live):
+            if id(live) not in gathered:  # collective: every rank, in the same order; the owner keeps it
+                whole = _gather_partition(shard, live)
+                gathered[id(live)] = whole if index % dist.get_world_size() == dist.get_rank() else None
+            if gathered[id(live)] is not None:
+                out[name] = gathered[id(live)]
+        else:
+            out[name] = shard
+    return out
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _partitioned(tensor: Tensor) -> bool:
+    return hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False)
+
+
+def _gather_partition(shard: Tensor, param: Tensor) -> Tensor:
+    gathered = shard.new_empty(shard.numel() * dist.get_world_size())
+    all_gather_single(gathered, shard.contiguous())
+    return gathered[: param.ds_numel].view(param.ds_shape).cpu().clone()
+
+
+def load_portable_average(average: ShardAverage, module: nn.Module, read: Callable[[dict], None]) -> None:
+    """Fill the average in place from a checkpoint: ``read(template)`` fills ``{"averaged": {name: tensor}}``
+    (DCP reshards); a ZeRO-3 partition reads its whole tensor, one at a time, and keeps its slice."""
+    template = {}
+    partitions = []
+    params = dict(_named_tensors(module))
+    saved = set(module.state_dict(keep_vars=True))  # non-persistent buffers are not saved: they keep their copy
+    for name, shard in zip(average.module.names, average.shards(), strict=True):
+        if name not in saved:
+            continue
+        live = params[name]
+        if isinstance(live, DTensor):
+            template[name] = DTensor.from_local(
+                shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
+            )
+        elif _partitioned(live):
+            partitions.append((name, shard, live))
+        else:
+            template[name] = shard
+    read({"averaged": template})
+    for name, shard, live in partitions:
+        whole = torch.empty(live.ds_shape, dtype=shard.dtype)
+        read({"averaged": {name: whole}})
+        start = dist.get_rank() * shard.numel()
+        piece = whole.reshape(-1)[start : start + shard.numel()]
+        shard[: piece.numel()].copy_(piece)
+
+
+def _from_lightning_file(average: ShardAverage, module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Lightning's own single file (its WeightAveraging, on a strategy holding whole weights; lightscale loads such
+    files into unsharded models only): ``state_dict``, already loaded into ``module``, is the average and
+    ``current_model_state`` the raw weights."""
+    with torch.no_grad():
+        for mine, live in zip(average.shards(), average.live(module), strict=True):
+            mine.copy_(live)
+    module.load_state_dict(checkpoint["current_model_state"])
+    average.n_averaged.fill_(int(checkpoint["averaging_state"]["n_averaged"]))
+
+
+def drop_average(checkpoint: dict[str, Any], why: str) -> None:
+    """For a checkpoint format that keeps no average: leave it out, so a resume restarts it instead of failing."""
+    if checkpoint.pop(AVERAGED_META, None) is not None:
+        checkpoint.pop(AVERAGED, None)
+        rank_zero_warn(f"{why}: a resumed run restarts the WeightAveraging average from the loaded weights.")
+
+
+# ---- Lightning's callback, routed through the shards ---------------------------------------------------------------
+def weight_averaging_callbacks(trainer: Trainer) -> Iterator[WeightAveraging]:
+    return (callback for callback in trainer.callbacks if isinstance(callback, WeightAveraging))  # type: ignore[attr-defined]
+
+
+def adopt_weight_averaging(trainer: Trainer, module: LightningModule) -> None:
+    """After the strategy sharded ``module``: give every ``WeightAveraging`` callback an average of the local shards.
+
+    Lightning's own ``setup`` made a full copy of the unsharded module (freed here); from now on each rank holds
+    its shards only.
+    """
+    for callback in weight_averaging_callbacks(trainer):
+        if callback._average_model is None:
+            continue
+        callback._average_model = ShardAverage(module, use_buffers=callback._use_buffers, **callback._kwargs)
+        # Instance attributes shadow the class's methods: Lightning's versions zip ``pl_module.parameters()`` (sharded
+        # placeholders) with the average; these zip the local shards instead. See the module docstring.
+        callback._swap_models = types.MethodType(_swap_models, callback)
+        callback._copy_average_to_current = types.MethodType(_copy_average_to_current, callback)
+        callback.on_save_checkpoint = types.MethodType(_on_save_checkpoint, callback)
+        callback.on_load_checkpoint = types.MethodType(_on_load_checkpoint, callback)
+
+
+def _swap_models(self: WeightAveraging, pl_module: LightningModule) -> None:
+    swap_into(self._average_model, pl_module, keep=True)
+
+
+def _copy_average_to_current(self: WeightAveraging, pl_module: LightningModule) -> None:
+    swap_into(self._average_model, pl_module, keep=False)
+
+
+def _on_save_checkpoint(self: WeightAveraging, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+    average = self._average_model
+    checkpoint[AVERAGED] = portable_average(average, pl_module)
+    checkpoint[AVERAGED_META] = {"n_averaged": int(average.n_averaged.item())}
+
+
+def _on_load_checkpoint(self: WeightAveraging, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+    meta = checkpoint.get(AVERAGED_META)
+    if meta is None and {"current_model_state", "averaging_state"} <= checkpoint.keys():
+        _from_lightning_file(self._average_model, pl_module, checkpoint)
+        return
+    if meta is None:
+        rank_zero_warn(
+            "The checkpoint holds no averaged weights (it was not saved with WeightAveraging): the average starts "
+            "from the loaded weights at the next update."
+        )
+        return
+    path = Path(trainer.ckpt_path)  # the directory the strategy's load_checkpoint read: DCP reads the average here
+    load_portable_average(self._average_model, pl_module, lambda state: read_checkpoint(path, state))
+    self._average_model.n_averaged.fill_(meta["n_averaged"])
