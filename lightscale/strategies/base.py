@@ -152,7 +152,7 @@ class LightscaleStrategy(ProcessStrategy):
         )
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
-        self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule itself makes steps go through it
+        self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule among them makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
