@@ -128,6 +128,49 @@ def data_parallel_root(module: nn.Module) -> nn.Module:
     return network if all(id(p) in inside for p in module.parameters()) else module
 
 
+def manual_optimization(module: nn.Module) -> bool:
+    return not getattr(module, "automatic_optimization", True)
+
+
+def data_parallel_roots(module: nn.Module, *, strategy: str) -> list[nn.Module]:
+    """The modules FSDP roots at: ``[data_parallel_root(module)]``, except under manual optimization when that is
+    the LightningModule itself. Its step would then run inside the root's forward, where ``manual_backward`` leaves
+    gradients on the gathered parameters: FSDP reduces them onto the shards the optimizers step only in a
+    post-backward its root queues from the root forward's outputs (none: the step returns no loss), so the
+    optimizers would step shards without gradients. Instead each child holding parameters is a root of its own,
+    whose forward the step calls and whose outputs' backward reduces the gradients (the step runs outside any)."""
+    root = data_parallel_root(module)
+    if root is not module or not manual_optimization(module):
+        return [root]
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ConfigurationError(
+            f"{strategy} with manual optimization (automatic_optimization=False) shards each child network of "
+            f"{type(module).__name__} as its own FSDP root, but {own} belong to the LightningModule itself, outside "
+            "every child: no forward would gather them. Move them into a child module (e.g. an nn.Module attribute "
+            "the step calls), or use BucketedDDPStrategy(find_unused_parameters=True)."
+        )
+    roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    _check_no_shared_parameters(module, roots, strategy)
+    return roots
+
+
+def _check_no_shared_parameters(module: nn.Module, roots: list[nn.Module], strategy: str) -> None:
+    """One parameter in two children would be sharded twice, by two roots that reduce its gradient apart."""
+    owner: dict[int, str] = {}
+    names = {id(child): name for name, child in module.named_children()}
+    for root in roots:
+        for parameter in root.parameters():
+            first = owner.setdefault(id(parameter), names[id(root)])
+            if first != names[id(root)]:
+                raise ConfigurationError(
+                    f"{strategy} with manual optimization (automatic_optimization=False) shards each child network "
+                    f"of {type(module).__name__} as its own FSDP root, but children {first!r} and {names[id(root)]!r} "
+                    "share a parameter (tied weights). Put the tied modules under one child, or use "
+                    "BucketedDDPStrategy(find_unused_parameters=True)."
+                )
+
+
 def sharding_units(module: nn.Module, *, unit_classes: Sequence[str] | None = None) -> list[nn.Module]:
     """The strategy's ``unit_classes`` if given, else the module's ``sharding_units()``, else inferred."""
     network = network_of(module)

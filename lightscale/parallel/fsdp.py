@@ -108,11 +108,14 @@ def apply_fsdp(
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
+    root_reshard_after_forward: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: each unit its own group, the root last.
 
     ``units`` (modules) wins over ``unit_classes`` (class names, so YAML can express them). The root keeps its
-    parameters unsharded after forward (backward needs them first), as FSDP recommends.
+    parameters unsharded after forward (backward needs them first), as FSDP recommends, unless
+    ``root_reshard_after_forward``: under manual optimization an optimizer may step the shards between a forward
+    with no backward (which leaves them gathered) and the next forward, which would reuse the stale gathered copy.
     """
     chosen = list(units) if units is not None else find_units(model, unit_classes)
     common = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
@@ -121,7 +124,7 @@ def apply_fsdp(
         common["ignored_params"] = ignored_params
     for unit in reversed(chosen):  # bottom-up; order does not change grouping, only hook registration
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
-    fully_shard(model, reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=root_reshard_after_forward, **common)
     return model
 
 

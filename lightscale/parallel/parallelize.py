@@ -42,6 +42,7 @@ class ParallelizeOptions:
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
     reshard_after_forward: bool = True
+    root_reshard_after_forward: bool = False  # manual optimization (lightscale/parallel/fsdp.py apply_fsdp)
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
     float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/parallel/float8.py)
     # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
@@ -97,5 +98,6 @@ def parallelize_model(
             offload_policy=options.offload_policy,
             reshard_after_forward=options.reshard_after_forward,
             ignored_params=ignored,
+            root_reshard_after_forward=options.root_reshard_after_forward,
         )
     return root

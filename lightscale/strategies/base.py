@@ -75,7 +75,8 @@ log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
 SEVERAL_OPTIMIZERS = (
     "Several optimizers (e.g. manual optimization of a GAN) run under BucketedDDPStrategy(find_unused_parameters=True) "
-    "(tested equal to one process); or use one optimizer with a parameter group per part of the model."
+    "or an FSDP2 name (fsdp2, hsdp, parallel_3d; tested equal to one process); or use one optimizer with a parameter "
+    "group per part of the model."
 )
 # Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
 REGISTERED: list[type[LightscaleStrategy]] = []
@@ -151,7 +152,7 @@ class LightscaleStrategy(ProcessStrategy):
         )
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
-        self._root: nn.Module | None = None  # where FSDP roots: the LightningModule itself makes steps go through it
+        self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule among them makes steps go through it
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
         self._shared_dirs: set[str] = set()
         self.checkpoint_writer = self._async_writer(async_save)
@@ -306,12 +307,12 @@ class LightscaleStrategy(ProcessStrategy):
     def call_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Run the LightningModule's ``step``: through a wrapper's forward (DeepSpeed's engine), or through the
         module's own ``__call__`` when FSDP roots at it (its hooks gather the parameters); Lightning's forward
-        redirection does both."""
+        redirection does both. Under manual optimization FSDP never roots at it (``data_parallel_roots``)."""
         module = self.lightning_module
         assert module is not None and self.model is not None
         if self.model is not module:
             return self._forward_redirection(self.model, module, step, *args, **kwargs)
-        if self._root is module:
+        if any(root is module for root in self._roots):
             return self._forward_redirection(module, module, step, *args, **kwargs)
         return getattr(module, step)(*args, **kwargs)
 

@@ -39,7 +39,7 @@ from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
-from lightscale.parallel.contract import data_parallel_root, sharding_units
+from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state, broadcast_tensors
 from lightscale.parallel.diloco import (
     FaultTolerance,
@@ -49,7 +49,7 @@ from lightscale.parallel.diloco import (
     Schedule,
     check_outer_settings,
 )
-from lightscale.parallel.fsdp import materialize_meta_module, no_gradient_sync, torch_generator_states
+from lightscale.parallel.fsdp import contains_module, materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
@@ -240,12 +240,16 @@ class DiLoCoStrategy(LightscaleStrategy):
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing, compile=self.compile, always_shard=sharded,
             mp_policy=mp_policy(precision_name(self.precision_plugin), "none") if sharded else None,
-            fsdp_over="dp_shard" if sharded else "none",
+            fsdp_over="dp_shard" if sharded else "none", root_reshard_after_forward=manual_optimization(module),
         )  # fmt: skip
-        root = data_parallel_root(module)
+        # Under manual optimization FSDP roots at each child network (lightscale/parallel/contract.py).
+        roots = data_parallel_roots(module, strategy=type(self).__name__) if sharded else [data_parallel_root(module)]
         if sharded:
-            self._root = root
-        parallelize_model(root, self.device_mesh, units=sharding_units(module), options=options)
+            self._roots = roots
+        units = sharding_units(module)
+        for root in roots:
+            inside = [unit for unit in units if contains_module(root, unit)]
+            parallelize_model(root, self.device_mesh, units=inside, options=options)
         if is_meta:
             materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
         if not sharded and self.dims.dp_shard > 1:

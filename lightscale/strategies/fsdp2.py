@@ -33,9 +33,15 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
-from lightscale.parallel.contract import data_parallel_root, sharding_units
+from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
-from lightscale.parallel.fsdp import check_shardable, materialize_meta_module, no_gradient_sync, torch_generator_states
+from lightscale.parallel.fsdp import (
+    check_shardable,
+    contains_module,
+    materialize_meta_module,
+    no_gradient_sync,
+    torch_generator_states,
+)
 from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
@@ -175,10 +181,12 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         """Shard the network child, or the whole LightningModule when it holds parameters of its own (its steps
-        then run through its ``__call__``, Lightning's forward redirection, so the root's hooks gather them)."""
+        then run through its ``__call__``, Lightning's forward redirection, so the root's hooks gather them); under
+        manual optimization each child network instead (lightscale/parallel/contract.py data_parallel_roots)."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
         check_shardable(module, engine="FSDP2")
+        self._roots = data_parallel_roots(module, strategy=type(self).__name__)  # refused before any work
         is_meta = any(p.is_meta for p in module.parameters())
         device = torch.device("cpu") if self.offload else self.root_device
         if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
@@ -191,11 +199,13 @@ class FSDP2Strategy(LightscaleStrategy):
             float8=float8_options(self.precision_plugin),
             offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
             reshard_after_forward=self.reshard_after_forward,
+            root_reshard_after_forward=manual_optimization(module),
             always_shard=True,
         )
         units = sharding_units(module, unit_classes=self.unit_classes)
-        self._root = data_parallel_root(module)
-        parallelize_model(self._root, self.device_mesh, units=units, options=options)
+        for root in self._roots:
+            inside = [unit for unit in units if contains_module(root, unit)]
+            parallelize_model(root, self.device_mesh, units=inside, options=options)
         if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
             materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module

@@ -37,13 +37,10 @@ from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.context_parallel import Mode as CPMode
-from lightscale.parallel.contract import (
-    data_parallel_root,
-    sharding_units,
-)
+from lightscale.parallel.contract import data_parallel_roots, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
-from lightscale.parallel.fsdp import check_shardable
+from lightscale.parallel.fsdp import check_shardable, contains_module
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
 from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.pipeline import (
@@ -267,10 +264,24 @@ class Parallel3DStrategy(LightscaleStrategy):
             self.pipelined = build_pipeline(self, module, module.model)
             self.pipelined.attach()
         else:
-            # The same root as under fsdp2 (same program for the same degrees).
-            self._root = data_parallel_root(module)
-            parallelize_part(self, module, self._root, sharding_units(module))
+            # The same roots as under fsdp2 (same program for the same degrees).
+            self._roots = self._data_parallel_roots(module)
+            units = sharding_units(module)
+            for root in self._roots:
+                parallelize_part(self, module, root, [unit for unit in units if contains_module(root, unit)])
         return module
+
+    def _data_parallel_roots(self, module: LightningModule) -> list[nn.Module]:
+        """Several roots (manual optimization, several networks) take one TP/EP plan of the whole module: refused."""
+        roots = data_parallel_roots(module, strategy=type(self).__name__)
+        if len(roots) > 1 and (self.dims.tp_enabled or self.dims.ep_enabled):
+            raise ConfigurationError(
+                f"Parallel3DStrategy(tp={self.tp}, ep={self.ep}) with manual optimization (automatic_optimization="
+                f"False) and several child networks of {type(module).__name__}: each network becomes its own FSDP "
+                "root, but the tensor/expert plan covers the whole module. Use tp=1 and ep=1 (dp only), or one "
+                "network child (self.model) holding every parameter."
+            )
+        return roots
 
     # ---- the step ------------------------------------------------------------------------------------------
     def _loss_parallel(self) -> AbstractContextManager:

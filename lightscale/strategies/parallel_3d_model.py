@@ -16,7 +16,14 @@ from torch import nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.context_parallel import MODES as CP_MODES
-from lightscale.parallel.contract import check_hooks, has_hook, network_of, sharding_units, tp_plan_of
+from lightscale.parallel.contract import (
+    check_hooks,
+    has_hook,
+    manual_optimization,
+    network_of,
+    sharding_units,
+    tp_plan_of,
+)
 from lightscale.parallel.fsdp import contains_module
 from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
@@ -58,7 +65,7 @@ def parallelize_part(
     plan = None
     if strategy.dims.tp_enabled:
         plan = tp_plan_of(module, sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
-    network = root if strategy.dims.pp_enabled else network_of(module)
+    network = network_of(module) if root is module and not strategy.dims.pp_enabled else root  # a stage, a manual root
     policy = None  # no FSDP (dp = ep = 1 without a pipeline): autocast computes, nothing is reduced
     # Under a pipeline autocast computes and FSDP only reduces.
     if strategy.shards_data_parallel or strategy.dims.pp_enabled:
@@ -69,6 +76,7 @@ def parallelize_part(
         compile=strategy.compile,
         mp_policy=policy,
         reshard_after_forward=not strategy.dims.pp_enabled,  # pipelines re-use weights across microbatches
+        root_reshard_after_forward=manual_optimization(module) and not strategy.dims.pp_enabled,
         float8=float8_options(strategy.precision_plugin),
     )
     parallelize_model(

@@ -6,9 +6,13 @@ here with everything at once: ``ModelCheckpoint(monitor="val_loss", save_top_k=2
 a torchmetrics metric, a CSV logger; then ``validate(ckpt_path="best")``, ``test(ckpt_path="last")``, ``predict`` and
 a resumed ``fit(ckpt_path="last")``. This process then loads the best checkpoint with ``load_from_checkpoint``.
 A second launch runs manual optimization with two optimizers (a small GAN): ``BucketedDDPStrategy(
-find_unused_parameters=True)`` trains it as one process does; bucketed_ddp without it, the ZeRO names and DiLoCo
-refuse it naming what works (docs/errors.md). fsdp2 runs it but does not match one process (a known bug, marked
-``xfail(strict=True)`` below: it fails at one rank too, with the same initial weights).
+find_unused_parameters=True)``, fsdp2, hsdp and ``parallel_3d`` (FSDP2 over ``dp``) train it as one process does
+(plain SGD, exact); bucketed_ddp without it, the ZeRO names and DiLoCo refuse it naming what works (docs/errors.md).
+Under manual optimization the FSDP2 family roots FSDP at each child network (lightscale/parallel/contract.py
+``data_parallel_roots``), not at the LightningModule: a ``manual_backward`` inside the root's forward left every
+gradient on the gathered parameters and the optimizers stepped shards without one (the weights never changed).
+A model with one network child (``self.model``, already a root of its own) trains as one process does too, with two
+``manual_backward`` calls accumulating into one step.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightscale
-from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
+from lightscale.strategies import (
+    BucketedDDPStrategy,
+    DiLoCoStrategy,
+    FSDP2Strategy,
+    Parallel3DStrategy,
+    ZeroStrategy,
+)
 from lightscale.testing import run_distributed
 
 FAMILIES = {
@@ -142,9 +152,35 @@ class TwoOptimizers(pl.LightningModule):
         )
 
 
+class OneNetwork(pl.LightningModule):
+    """Manual optimization of one network child: two backward passes accumulate into one SGD step, and a forward
+    without backward before the step (a sample to look at): the next step's forward must see the stepped weights,
+    not the copy that forward gathered (FSDP roots reshard after forward under manual optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(self.model(batch[0]).pow(2).mean())
+        self.manual_backward((self.model(batch[0]) - 1).abs().mean())
+        with torch.no_grad():
+            self.model(batch[0])
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 GAN_STEPS = 3
 MANUAL = {  # refusals last: they end their fit mid-way
     "fsdp2": lambda: FSDP2Strategy(meta_init=False),  # the weights the module was built with, as in one process
+    "hsdp": lambda: FSDP2Strategy(dp_replicate=2, dp_shard=1, meta_init=False),
+    "parallel_3d": lambda: Parallel3DStrategy(dp=2),
+    "fsdp2_one_network": lambda: FSDP2Strategy(meta_init=False),
     "bucketed_ddp_find_unused": lambda: BucketedDDPStrategy(find_unused_parameters=True),
     "zero2": lambda: ZeroStrategy(stage=2),
     "diloco": lambda: DiLoCoStrategy(workers=2, sync_every=2),
@@ -157,9 +193,13 @@ def _gan_data() -> TensorDataset:
     return TensorDataset(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
 
 
+def _model_of(name: str) -> type[pl.LightningModule]:
+    return OneNetwork if name.endswith("_one_network") else TwoOptimizers
+
+
 def _manual(name: str) -> dict[str, torch.Tensor] | str:
     torch.manual_seed(0)
-    model = TwoOptimizers()
+    model = _model_of(name)()
     trainer = lightscale.Trainer(
         strategy=MANUAL[name](), accelerator="cpu", devices=dist.get_world_size(), max_epochs=GAN_STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -176,11 +216,12 @@ def _manual_launch() -> dict[str, Any]:
     return {name: _manual(name) for name in MANUAL}
 
 
-def gan_reference() -> dict[str, torch.Tensor]:
+def manual_reference(model_class: type[pl.LightningModule]) -> dict[str, torch.Tensor]:
+    """The same steps in this process, without a Trainer: the optimizers as built, backward as plain autograd."""
     torch.manual_seed(0)
-    model = TwoOptimizers()
-    generator, discriminator = model.configure_optimizers()
-    model.optimizers = lambda: (generator, discriminator)  # type: ignore[method-assign]
+    model = model_class()
+    optimizers = model.configure_optimizers()
+    model.optimizers = lambda: optimizers  # type: ignore[method-assign]
     model.manual_backward = lambda loss: loss.backward()  # type: ignore[method-assign]
     for _ in range(GAN_STEPS):
         model.training_step(_gan_data().tensors, 0)
@@ -217,20 +258,9 @@ def test_logger_holds_the_step_wise_learning_rate_and_metrics(runs: dict[str, An
     assert any(row.get("val_acc") for row in rows) and any(row.get("train_loss") for row in rows)
 
 
-# Found here, not fixed: differs from the first step on, at world size 1 too, with equal initial weights. Inside
-# training_step (run inside the FSDP root's forward by the forward redirection) the module holds the unsharded plain
-# Parameters and a manual backward leaves its gradients there (seen: discriminator.weight is a Parameter with a grad
-# after manual_backward), while the optimizer steps the sharded DTensors, whose gradients FSDP2 writes only in its
-# post-backward, tied to the root forward's outputs.
-FSDP2_MANUAL_BUG = "fsdp2 + manual optimization with two optimizers differs from one process"
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param("fsdp2", marks=pytest.mark.xfail(strict=True, reason=FSDP2_MANUAL_BUG)), "bucketed_ddp_find_unused"],
-)
-def test_manual_optimization_with_two_optimizers_trains_as_one_process(runs: dict[str, Any], name: str) -> None:
-    trained, reference = runs["manual"][name], gan_reference()
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "parallel_3d", "fsdp2_one_network", "bucketed_ddp_find_unused"])
+def test_manual_optimization_trains_as_one_process(runs: dict[str, Any], name: str) -> None:
+    trained, reference = runs["manual"][name], manual_reference(_model_of(name))
     assert not isinstance(trained, str), trained
     for key, value in reference.items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)

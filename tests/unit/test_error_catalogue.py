@@ -293,6 +293,31 @@ def _two_optimizers_under_zero():
     _zero(stage=2)._optimizer_and_scheduler(module)
 
 
+class GAN(torch.nn.Module):
+    """A LightningModule's layout under manual optimization: two child networks (tied, or one own parameter)."""
+
+    def __init__(self, *, tied: bool = False, own: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator, self.discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        if tied:
+            self.discriminator.weight = self.generator.weight
+        if own:
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+
+def _manual_roots(**layout):
+    from lightscale.parallel.contract import data_parallel_roots
+
+    return data_parallel_roots(GAN(**layout), strategy="FSDP2Strategy")
+
+
+def _manual_roots_under_tp():
+    strategy = _p3d(tp=2, dp=2)
+    strategy._dims = strategy.parallel_dims(4)
+    return strategy._data_parallel_roots(GAN())
+
+
 def _forward_too_long():
     from lightscale.recipes.gpt import GPT
 
@@ -731,6 +756,16 @@ CATALOGUE: list[tuple] = [
      _two_optimizers_under_zero, CE,
      r"need exactly one optimizer.*returned 2 optimizer\(s\).*run under "
      r"BucketedDDPStrategy\(find_unused_parameters=True\)"),
+    ("manual-own-parameter", "manual optimization under an FSDP2 name with a parameter on the LightningModule itself "
+     "(at setup)", lambda: _manual_roots(own=True), CE,
+     r"\['scale'\] belong to the LightningModule itself.*Move them into a child module.*"
+     r"BucketedDDPStrategy\(find_unused_parameters=True\)"),
+    ("manual-tied-children", "manual optimization under an FSDP2 name with two child networks sharing a parameter "
+     "(at setup)", lambda: _manual_roots(tied=True), CE,
+     r"children 'generator' and 'discriminator' share a parameter.*Put the tied modules under one child"),
+    ("manual-networks-tp", "manual optimization of several child networks under parallel_3d with tp or ep > 1 "
+     "(at setup)", _manual_roots_under_tp, CE,
+     r"Parallel3DStrategy\(tp=2, ep=1\) with manual optimization.*Use tp=1 and ep=1"),
     ("diloco-sync-every", "DiLoCo sync_every below 1", lambda: _diloco(sync_every=0), CE,
      r"sync_every=0 is not valid; it must be an integer >= 1"),
     ("diloco-fragments", "DiLoCo fragments not dividing sync_every", lambda: _diloco(sync_every=10, fragments=3), CE,
