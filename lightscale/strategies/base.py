@@ -1,11 +1,12 @@
 """The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
-process group, collective timeout, failure watcher, collectives).
+process group, collective timeout, failure watcher, collectives) and
+:class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` (checkpoints in the portable layout).
 
 What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
 each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
-checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods,
-checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size), and
-teardown.
+checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods, and
+teardown. Checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size)
+are lightscale/strategies/checkpointing.py's.
 
 What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -24,9 +25,7 @@ See docs/architecture.md ("Adding a strategy") and the call path of one training
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from pathlib import Path
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any, ClassVar
 
 import torch
@@ -42,23 +41,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightscale.checkpoint.async_save import AsyncCheckpointWriter
-from lightscale.checkpoint.averaged import to_lightning_convention
-from lightscale.checkpoint.hf_export import MODELS, describe_models
-from lightscale.checkpoint.layout import (
-    AVERAGED,
-    load_sharded,
-    read_rest,
-    save_sharded,
-    saved_rng_states,
-    trainer_state_of,
-)
-from lightscale.checkpoint.lightning_format import describe_optimizers
-from lightscale.checkpoint.loader_state import take_own_loader_state
-from lightscale.checkpoint.rng import restore_rng_states
-from lightscale.checkpoint.safe_io import SafeCheckpointIO
-from lightscale.checkpoint.shape_check import check_state_dict_shapes
-from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
@@ -66,8 +48,9 @@ from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, c
 from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
+from lightscale.strategies.checkpointing import CheckpointingStrategy
 from lightscale.strategies.loader_position import maybe_track_trained_position
-from lightscale.strategies.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
+from lightscale.strategies.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
 
@@ -82,12 +65,11 @@ SEVERAL_OPTIMIZERS = (
 REGISTERED: list[type[LightscaleStrategy]] = []
 
 
-class LightscaleStrategy(ProcessStrategy):
+class LightscaleStrategy(CheckpointingStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
-    ``async_save=True`` writes checkpoints in the background (training blocks only while the state is copied to
-    CPU memory; lightscale/checkpoint/async_save.py), on strategies that save through this class's
-    ``save_checkpoint`` (the portable layout).
+    ``async_save=True`` and ``checkpoint_format``: see
+    :class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` (checkpoints in the portable layout).
 
     ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
     same batch; their batches are compared at the first training step and every that many steps after
@@ -97,12 +79,6 @@ class LightscaleStrategy(ProcessStrategy):
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
     precision_family: ClassVar[Family | None] = None  # its column of the precision contract (precision_contract.py)
     plannable: ClassVar[tuple[Plannable, ...]] = ()  # names the planner may choose (lightscale/estimate/plan.py)
-    # Whether a single-file Lightning checkpoint (whole tensors, optimizer state by index) loads: only into an
-    # unsharded model; sharded strategies read the layout alone.
-    reads_single_files: ClassVar[bool] = True
-    # What ``checkpoint_format`` may name (the first is the default): "dcp" the portable layout, "file" Lightning's
-    # single file (rank 0 writes it: whole parameters on every rank only), "deepspeed" DeepSpeed's own directory.
-    checkpoint_formats: ClassVar[tuple[str, ...]] = ("dcp",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
@@ -140,41 +116,22 @@ class LightscaleStrategy(ProcessStrategy):
     ) -> None:
         check_checkpoint_format(type(self), checkpoint_format)
         check_every(check_batches_every)
-        self.checkpoint_format = checkpoint_format
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io or SafeCheckpointIO(),
+            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout_s=timeout_s,
+            checkpoint_format=checkpoint_format,
+            async_save=async_save,
         )
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule among them makes steps go through it
-        self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch
-        self._shared_dirs: set[str] = set()
-        self.checkpoint_writer = self._async_writer(async_save)
         self.check_batches_every = check_batches_every
         self._batch_agreement: BatchAgreement | None = None  # with the layout, at setup_environment
-
-    def _async_writer(self, async_save: bool) -> AsyncCheckpointWriter | None:
-        """The background writer of ``async_save=True`` (lightscale/checkpoint/async_save.py), or ``None``."""
-        if not async_save:
-            return None
-        if self.checkpoint_format != "dcp":
-            raise ConfigurationError(
-                f"async_save=True writes the portable layout only; checkpoint_format={self.checkpoint_format!r} is "
-                "written synchronously. Use checkpoint_format='dcp' with async_save, or async_save=False."
-            )
-        if not _saves_portable_layout(type(self)):
-            supported = sorted(cls.__name__ for cls in _subclasses(LightscaleStrategy) if _saves_portable_layout(cls))
-            raise ConfigurationError(
-                f"async_save=True is not supported by {type(self).__name__}: it does not save through the portable "
-                f"checkpoint writer. Strategies with async_save: {supported}."
-            )
-        return AsyncCheckpointWriter(timeout=self._timeout)
 
     # ---- layout -------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
@@ -333,122 +290,11 @@ class LightscaleStrategy(ProcessStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def check_checkpoint_dir(self, directory: str | Path) -> None:
-        """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
-        runs only; see lightscale/checkpoint/shared_dir.py). Each rank probes the path it resolved itself: the same
-        string naming different directories on different nodes is exactly the case to catch."""
-        if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
-            return
-        ranks = {"node_rank": self.node_rank, "local_rank": self.local_rank, "num_nodes": self.num_nodes}
-        check_shared_dir(Path(directory), **ranks)
-        self._shared_dirs.add(str(directory))
-
-    # ---- checkpoints: the portable layout (lightscale/checkpoint/layout.py) --------------------------------
-    # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
-    # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
-    weights_settable_after_setup: ClassVar[bool] = True
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the layout loads into the parallelized model and its optimizers, which setup creates
-
-    @contextmanager
-    def checkpoint_module(self) -> Iterator[nn.Module]:
-        """The module whose state a checkpoint holds, under the LightningModule's own parameter names."""
-        yield self.lightning_module
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
-        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
-        path = Path(self.broadcast(str(filepath)))
-        self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
-        if self.checkpoint_format == "file":
-            self.save_single_file(checkpoint, path)
-            return
-        with self.checkpoint_module() as module:
-            rest = self.trainer_state(checkpoint)
-            save_file = self.checkpoint_io.save_checkpoint
-            averaged = checkpoint.get(AVERAGED)  # a WeightAveraging callback's (strategies/weight_averaging.py)
-            writer = self.checkpoint_writer
-            save_sharded(path, module, self.optimizers, rest, save_file, writer=writer, averaged=averaged)
-
-    def save_single_file(self, checkpoint: dict[str, Any], path: Path) -> None:
-        """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
-        whole tensors) plus the ``lightscale`` entry of :meth:`trainer_state` (random states, optimizer groups), which
-        lets every strategy read it as the layout (lightscale/checkpoint/layout_file.py). Rank 0 writes, atomically."""
-        rest = self.trainer_state(checkpoint)  # collective
-        if self.is_global_zero:
-            # a WeightAveraging average as Lightning's own callback writes it (lightscale/checkpoint/averaged.py)
-            single = to_lightning_convention({**checkpoint, "lightscale": rest["lightscale"]})
-            self.checkpoint_io.save_checkpoint(single, path)
-        self.barrier("save_single_file")
-
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's checkpoint without the tensors DCP writes, plus the ``lightscale`` entry naming the writer and
-        holding every rank's random state, the optimizers' parameter groups and the exportable models (collective)."""
-        optimizers = self.saved_optimizers()
-        state = trainer_state_of(
-            checkpoint, strategy=type(self).__name__, world_size=self.world_size, optimizers=optimizers
-        )
-        state["lightscale"][MODELS] = describe_models(self.lightning_module)  # what `lightscale export --hf` rebuilds
-        return state
-
-    def saved_optimizers(self) -> list[dict[str, Any]] | None:
-        """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries
-        hold (collective), so that Lightning's loaders can number it as torch does (checkpoint/lightning_format.py);
-        None where the layout holds no such state."""
-        with self.checkpoint_module() as module:
-            return describe_optimizers(module, self.optimizers)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
-        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if path.is_file() and self.reads_single_files:  # Lightning restores weights and optimizers by position
-            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-            self.restore_extras(checkpoint, fitting=fitting)
-            return checkpoint
-        with self.checkpoint_module() as module:
-            read = load_sharded(path, module, self.optimizers if fitting else [])
-        meta = self.read_trainer_state(read, fitting=fitting)
-        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
-
-    def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
-        """``trainer_state.pt`` of a layout directory (weights-only), or the rest of a single file; see
-        :meth:`restore_extras`."""
-        meta = read_rest(checkpoint_dir, self.checkpoint_io.load_checkpoint)
-        self.restore_extras(meta, fitting=fitting)
-        return meta
-
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        """What lightscale keeps beside Lightning's state: when fitting, the random states are kept for the first
-        batch (creating the data iterator after the load draws from torch's RNG) and the loader position of this
-        rank's data shard replaces rank 0's."""
-        if fitting:
-            self._saved_rng_states = saved_rng_states(meta)
-            take_own_loader_state(meta)  # rank 0 wrote the file: each data shard takes its own stream position back
-
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        states, self._saved_rng_states = self._saved_rng_states, None
-        if states is not None:
-            restore_rng_states(states)
+        super().on_train_batch_start(batch, batch_idx)  # the random states a checkpoint saved (checkpointing.py)
         if self._batch_agreement is not None:  # collective on checked steps: the batch as the step will get it
             self._batch_agreement.maybe_check(batch, device=self.root_device)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """A single file (the layout was loaded in load_checkpoint); a differently shaped model's is refused naming
-        the keys and shapes."""
-        if "state_dict" in checkpoint:
-            check_state_dict_shapes(
-                checkpoint["state_dict"], self.lightning_module.state_dict(), "the checkpoint (ckpt_path)"
-            )
-            super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod
@@ -479,12 +325,3 @@ def check_checkpoint_format(cls: type[LightscaleStrategy], checkpoint_format: st
         f"{list(cls.checkpoint_formats)}. 'file' (Lightning's single file, written by rank 0) needs whole parameters "
         f"on every rank: {', '.join(with_file)}. Any checkpoint becomes one file with `lightscale consolidate`."
     )
-
-
-def _saves_portable_layout(cls: type) -> bool:
-    """Whether ``cls`` saves through :meth:`LightscaleStrategy.save_checkpoint` (what ``async_save`` runs in)."""
-    return cls.save_checkpoint is LightscaleStrategy.save_checkpoint
-
-
-def _subclasses(cls: type) -> list[type]:
-    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]

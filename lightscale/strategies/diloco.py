@@ -7,24 +7,21 @@ the worker's ranks); the layout is ``ParallelDims(dp_replicate=workers, dp_shard
 over the ``dp_replicate`` group of each shard position. Every rank reads its own data shard (dp = workers x inner).
 Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/checkpoint/diloco_state.py).
 With ``fault_tolerant=`` the launch is one worker and :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`
-meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others.
+meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others (what that
+adds to the strategy: lightscale/strategies/diloco_fault_tolerant.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -40,12 +37,11 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state, broadcast_tensors
+from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
     OuterSync,
-    RoundRecord,
     Schedule,
     check_outer_settings,
 )
@@ -55,6 +51,12 @@ from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_mode
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import enforce_contract
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.diloco_fault_tolerant import (
+    fault_tolerance_of,
+    fault_tolerant_outer_sync,
+    join_first_quorum,
+    worker_sampler_kwargs,
+)
 from lightscale.strategies.weight_averaging import drop_average
 
 Inner = Literal["bucketed_ddp", "fsdp2"]
@@ -125,7 +127,7 @@ class DiLoCoStrategy(LightscaleStrategy):
                 "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
                 "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
             )
-        self.fault_tolerance = _fault_tolerance(fault_tolerant, workers, fragments, overlap_steps, compression)
+        self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
         check_outer_settings(mode, compression)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
@@ -171,11 +173,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Fault-tolerant workers with ``data_shards`` read their own part of the dataset, split over their ranks."""
         kwargs = super().distributed_sampler_kwargs
-        ft = self.fault_tolerance
-        if ft is None or ft.data_shards is None:
-            return kwargs
-        ranks = kwargs["num_replicas"]
-        return {"num_replicas": ft.data_shards * ranks, "rank": ft.data_part() * ranks + kwargs["rank"]}
+        return kwargs if self.fault_tolerance is None else worker_sampler_kwargs(self.fault_tolerance, kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -186,20 +184,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         trainer = self.lightning_module.trainer
         if self.ft is None or not trainer.training:
             return loader
-        heals = self.ft.heals
-        self.ft.before_inner_step()
-        if self.reducer is not None:
-            # torchft heals each rank from the same rank of some peer; at the start the peers still differ, so the
-            # worker's replicas take its rank 0's (later, every up-to-date peer holds the same state).
-            group = self.device_mesh["dp_shard"].get_group()
-            broadcast_module_state(self.model, process_group=group)
-            broadcast_tensors([tensor for _, tensor in self.outer.named_globals()], process_group=group)
-        sampler = getattr(loader, "sampler", None)
-        if self.ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
-            sampler.resume_from(trainer.current_epoch, self.outer.step * trainer.accumulate_grad_batches)
-        elif self.ft.heals > heals:
-            rank_zero_warn(f"This worker healed to step {self.outer.step} but its sampler ({type(sampler).__name__}) "
-                           f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
+        replicas = self.device_mesh["dp_shard"].get_group() if self.reducer is not None else None
+        join_first_quorum(self.ft, loader, trainer, model=self.model, replicas=replicas)
         return loader
 
     @property
@@ -259,20 +245,16 @@ class DiLoCoStrategy(LightscaleStrategy):
         return module
 
     def _outer_sync(self, module: nn.Module) -> OuterSync:
-        ft = self.fault_tolerance
-        if ft is not None:
-            self.ft = FaultTolerantOuterSync(
-                module.named_parameters(), sync_every=self.schedule.sync_every, replica_id=ft.resolved_replica_id(),
-                min_replicas=ft.min_replicas, lighthouse_addr=ft.lighthouse, mode=self.mode,
-                outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
-                timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-                on_round=self._log_round, group=dist.group.WORLD if self.world_size > 1 else None,
+        outer_optimizer = self._outer_optimizer if self.mode == "diloco" else None
+        if self.fault_tolerance is not None:
+            self.ft = fault_tolerant_outer_sync(
+                self.fault_tolerance, module, sync_every=self.schedule.sync_every, mode=self.mode,
+                outer_optimizer=outer_optimizer, world_size=self.world_size,
             )  # fmt: skip
             return self.ft.sync
         return OuterSync(
             module.named_parameters(), sync_every=self.schedule.sync_every,
-            group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode,
-            outer_optimizer=self._outer_optimizer if self.mode == "diloco" else None,
+            group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode, outer_optimizer=outer_optimizer,
             fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
             compression=self.compression, broadcast_start=False,
         )  # fmt: skip
@@ -293,11 +275,6 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def model_to_device(self) -> None:
         pass  # apply_parallelism places (or materializes) the model, after building on the meta device
-
-    def _log_round(self, record: RoundRecord, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
-        outcome = "committed" if record.committed else "dropped (a worker of the round failed)"
-        rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, "
-                       f"{record.participants} worker(s)")  # fmt: skip
 
     # ---- the step ------------------------------------------------------------------------------------------
     @override
@@ -458,29 +435,3 @@ def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_mome
         raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (the DiLoCo paper uses 0.7).")
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
         raise ConfigurationError(f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (paper: 0.9).")
-
-
-def _fault_tolerance(
-    fault_tolerant: FaultTolerance | bool, workers: int | None, fragments: int, overlap_steps: int, compression: str
-) -> FaultTolerance | None:
-    if fault_tolerant is False:
-        return None
-    if importlib.util.find_spec("torchft") is None:  # before any process starts
-        raise ConfigurationError("fault_tolerant DiLoCo runs on torchft, not installed: pip install 'lightscale[ft]'.")
-    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
-    if not isinstance(ft, FaultTolerance):
-        raise ConfigurationError(
-            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
-        )
-    if workers not in (None, 1):
-        raise ConfigurationError(
-            f"workers={workers} cannot be set with fault_tolerant: each fault-tolerant worker is a launch of its own "
-            f"(its devices x nodes ranks), and the workers meet at the lighthouse. Leave workers unset."
-        )
-    if fragments != 1 or overlap_steps != 0 or compression != "none":
-        raise ConfigurationError(
-            f"fault_tolerant DiLoCo averages one fp32 payload per round at once; it needs fragments=1, "
-            f"overlap_steps=0 and compression='none', not fragments={fragments}, overlap_steps={overlap_steps}, "
-            f"compression={compression!r}."
-        )
-    return ft

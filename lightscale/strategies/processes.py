@@ -2,7 +2,8 @@
 the process group (gloo on CPU, nccl on CUDA) with a collective timeout so a hang fails fast, the failure watcher
 that tells every rank when one raises, and the collectives Lightning calls (barrier, broadcast, reduce).
 
-:class:`~lightscale.strategies.base.LightscaleStrategy` adds the model, the step and checkpoints on top.
+:class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` adds checkpoints on top, and
+:class:`~lightscale.strategies.base.LightscaleStrategy` the model and the step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""What ``DiLoCoStrategy(fault_tolerant=...)`` adds to the strategy: this launch is one worker that meets the others
+through torchft, reads its own part of the data and joins its first quorum before reading it.
+
+The worker's outer sync is :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`; at the first quorum a
+restarted worker heals from a live peer and reads on from the peers' step; every round is logged on rank 0. The
+settings are checked here, before any process starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
+from lightscale.parallel.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
+
+
+def fault_tolerance_of(
+    fault_tolerant: FaultTolerance | bool, workers: int | None, fragments: int, overlap_steps: int, compression: str
+) -> FaultTolerance | None:
+    """The settings of ``fault_tolerant=`` (``None`` when off), refused where torchft is missing or the other
+    settings cannot run fault-tolerant."""
+    if fault_tolerant is False:
+        return None
+    if importlib.util.find_spec("torchft") is None:  # before any process starts
+        raise ConfigurationError("fault_tolerant DiLoCo runs on torchft, not installed: pip install 'lightscale[ft]'.")
+    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
+    if not isinstance(ft, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
+        )
+    if workers not in (None, 1):
+        raise ConfigurationError(
+            f"workers={workers} cannot be set with fault_tolerant: each fault-tolerant worker is a launch of its own "
+            f"(its devices x nodes ranks), and the workers meet at the lighthouse. Leave workers unset."
+        )
+    if fragments != 1 or overlap_steps != 0 or compression != "none":
+        raise ConfigurationError(
+            f"fault_tolerant DiLoCo averages one fp32 payload per round at once; it needs fragments=1, "
+            f"overlap_steps=0 and compression='none', not fragments={fragments}, overlap_steps={overlap_steps}, "
+            f"compression={compression!r}."
+        )
+    return ft
+
+
+def worker_sampler_kwargs(ft: FaultTolerance, kwargs: dict[str, int]) -> dict[str, int]:
+    """With ``data_shards``, a worker reads its own part of the dataset, split over its ranks (``kwargs``)."""
+    if ft.data_shards is None:
+        return kwargs
+    ranks = kwargs["num_replicas"]
+    return {"num_replicas": ft.data_shards * ranks, "rank": ft.data_part() * ranks + kwargs["rank"]}
+
+
+def fault_tolerant_outer_sync(
+    ft: FaultTolerance,
+    module: nn.Module,
+    *,
+    sync_every: int,
+    mode: str,
+    outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
+    world_size: int,
+) -> FaultTolerantOuterSync:
+    """The outer sync of this worker, through torchft's lighthouse; every round logged on rank 0."""
+    return FaultTolerantOuterSync(
+        module.named_parameters(), sync_every=sync_every, replica_id=ft.resolved_replica_id(),
+        min_replicas=ft.min_replicas, lighthouse_addr=ft.lighthouse, mode=mode, outer_optimizer=outer_optimizer,
+        timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+        on_round=_log_round, group=dist.group.WORLD if world_size > 1 else None,
+    )  # fmt: skip
+
+
+def join_first_quorum(
+    ft: FaultTolerantOuterSync, loader: object, trainer: Trainer, *, model: nn.Module, replicas: object | None
+) -> None:
+    """The worker's first quorum, before its data is read: a restarted worker heals from a live peer and its sampler
+    (one with ``resume_from(epoch, batches)``, as lightscale's) reads on from the peers' step within the epoch.
+    ``replicas``: the process group of the worker's replicas (an inner ``bucketed_ddp`` on several ranks), or None."""
+    heals = ft.heals
+    ft.before_inner_step()
+    if replicas is not None:
+        # torchft heals each rank from the same rank of some peer; at the start the peers still differ, so the
+        # worker's replicas take its rank 0's (later, every up-to-date peer holds the same state).
+        broadcast_module_state(model, process_group=replicas)
+        broadcast_tensors([tensor for _, tensor in ft.sync.named_globals()], process_group=replicas)
+    sampler = getattr(loader, "sampler", None)
+    if ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
+        sampler.resume_from(trainer.current_epoch, ft.sync.step * trainer.accumulate_grad_batches)
+    elif ft.heals > heals:
+        rank_zero_warn(f"This worker healed to step {ft.sync.step} but its sampler ({type(sampler).__name__}) "
+                       f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
+
+
+def _log_round(record: RoundRecord, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
+    outcome = "committed" if record.committed else "dropped (a worker of the round failed)"
+    rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, "
+                   f"{record.participants} worker(s)")  # fmt: skip
