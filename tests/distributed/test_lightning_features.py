@@ -1,7 +1,8 @@
 """Lightning's everyday features under every strategy family, as a user combines them (a reduced matrix).
 
-One launch of 2 gloo ranks runs, per family (bucketed_ddp, fsdp2, zero2, diloco), one fit of a classifier defined
-here with everything at once: ``ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)``, ``EarlyStopping``,
+One launch of 2 gloo ranks runs, per family (bucketed_ddp, fsdp2, zero2, zero3_offload, parallel_3d with dp=2,
+diloco), one fit of a classifier defined here with everything at once: ``ModelCheckpoint(monitor="val_loss",
+save_top_k=2, save_last=True)``, ``EarlyStopping``,
 ``LearningRateMonitor`` on a step-wise ``StepLR``, gradient clipping, gradient accumulation, ``val_check_interval``,
 a torchmetrics metric, a CSV logger; then ``validate(ckpt_path="best")``, ``test(ckpt_path="last")``, ``predict`` and
 a resumed ``fit(ckpt_path="last")``. This process then loads the best checkpoint with ``load_from_checkpoint``.
@@ -47,6 +48,8 @@ FAMILIES = {
     "bucketed_ddp": BucketedDDPStrategy,
     "fsdp2": FSDP2Strategy,
     "zero2": lambda: ZeroStrategy(stage=2),
+    "zero3_offload": lambda: "zero3_offload",
+    "parallel_3d": lambda: Parallel3DStrategy(dp=2),
     "diloco": lambda: DiLoCoStrategy(workers=2, sync_every=2),
 }
 STEPS, RESUMED_STEPS = 6, 8
