@@ -14,7 +14,7 @@ cut locally: every rank has read the whole file), so layout.py's ``read_checkpoi
 (FSDP2, parallel_3d, ZeRO's batched load) read a file as they read a directory. A file without the names (Lightning's
 own strategies wrote it) gives its weights; its optimizer state loads only where positions mean the same
 (bucketed_ddp, through Lightning's own restore). Read weights-only; the last file read is kept for the next reads of
-one load (ZeRO reads a batch of parameters at a time).
+one load (ZeRO reads a batch of parameters at a time) and dropped when the load ends (:func:`forget_file_layout`).
 
 Example:
     >>> layout = read_file_layout(Path("last.ckpt"))
@@ -116,6 +116,12 @@ def read_file_layout(path: Path) -> FileLayout:
     layout = FileLayout(path, flat, rest)
     _last = (identity, layout)
     return layout
+
+
+def forget_file_layout() -> None:
+    """Drop the kept file (every rank holds a whole copy): a strategy calls this when its load has finished."""
+    global _last
+    _last = None
 
 
 def _load(path: Path) -> dict[str, Any]:

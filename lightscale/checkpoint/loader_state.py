@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_shard import DataShard, data_shard
 
 
@@ -32,13 +33,19 @@ def gather_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | N
     training loader (then every rank has none: the loaders are the same on all ranks)."""
     fit_state = _fit_loop_state(checkpoint)
     states = fit_state.get("combined_loader") if fit_state is not None else None
-    if not states:
-        return None
-    mine = {"shard": tuple(data_shard()), "state": states}
+    mine = {"shard": tuple(data_shard()), "state": states} if states else None
     if not dist.is_initialized():
-        return [mine]
+        return [mine] if mine is not None else None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine)  # every rank, with or without a state: none may skip the collective
+    without = [rank for rank, entry in enumerate(gathered) if entry is None]
+    if len(without) == len(gathered):
+        return None
+    if without:  # every rank sees the same list, so every rank raises here together
+        raise ConfigurationError(
+            f"Ranks {without} have no stateful training loader while the others do; the loader's position cannot be "
+            "saved for every data shard. Build the same kind of training DataLoader on every rank."
+        )
     return gathered
 
 

@@ -154,7 +154,12 @@ class LightscaleStrategy(CheckpointingStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.dims.sampler_kwargs(self.global_rank)  # ranks sharing a batch (tp, pp) share a data shard
+        shard = self.data_shard_of(self.dims)  # ranks sharing a batch (tp, cp, pp) share a data shard
+        return {"num_replicas": shard.count, "rank": shard.index}
+
+    def data_shard_of(self, dims: ParallelDims) -> DataShard:
+        """This rank's data shard under ``dims``: the one answer the sampler and ``lightscale.data_shard()`` give."""
+        return DataShard(dims.data_rank(self.global_rank), dims.data_shards)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -190,8 +195,7 @@ class LightscaleStrategy(CheckpointingStrategy):
         ``fit`` reads its shard too; ``setup_environment`` calls it again."""
         super().set_world_ranks()
         with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
-            dims = self.parallel_dims(self.world_size)
-            shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+            shard = self.data_shard_of(self.parallel_dims(self.world_size))
             publish_data_shard(shard, rank=self.global_rank, world_size=self.world_size)
 
     @override

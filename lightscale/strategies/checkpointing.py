@@ -32,6 +32,7 @@ from lightscale.checkpoint.layout import (
     saved_rng_states,
     trainer_state_of,
 )
+from lightscale.checkpoint.layout_file import forget_file_layout
 from lightscale.checkpoint.lightning_format import describe_optimizers
 from lightscale.checkpoint.loader_state import take_own_loader_state
 from lightscale.checkpoint.rng import restore_rng_states
@@ -168,7 +169,10 @@ class CheckpointingStrategy(ProcessStrategy):
     def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
         """``trainer_state.pt`` of a layout directory (weights-only), or the rest of a single file; see
         :meth:`restore_extras`."""
-        meta = read_rest(checkpoint_dir, self.checkpoint_io.load_checkpoint)
+        try:
+            meta = read_rest(checkpoint_dir, self.checkpoint_io.load_checkpoint)
+        finally:
+            forget_file_layout()  # the last read of a load: a single file's kept copy goes now
         self.restore_extras(meta, fitting=fitting)
         return meta
 

@@ -38,6 +38,7 @@ from lightscale.estimate.layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
+from lightscale.parallel.data_shard import DataShard
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
@@ -49,13 +50,13 @@ from lightscale.parallel.fsdp import contains_module, materialize_meta_module, n
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
-from lightscale.plugins.precision_contract import enforce_contract
+from lightscale.plugins.precision_contract import FLOAT8, enforce_contract
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.diloco_fault_tolerant import (
     fault_tolerance_of,
     fault_tolerant_outer_sync,
     join_first_quorum,
-    worker_sampler_kwargs,
+    worker_data_shard,
 )
 from lightscale.strategies.weight_averaging import drop_average
 
@@ -168,12 +169,11 @@ class DiLoCoStrategy(LightscaleStrategy):
             )
         return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
 
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def data_shard_of(self, dims: ParallelDims) -> DataShard:
         """Fault-tolerant workers with ``data_shards`` read their own part of the dataset, split over their ranks."""
-        kwargs = super().distributed_sampler_kwargs
-        return kwargs if self.fault_tolerance is None else worker_sampler_kwargs(self.fault_tolerance, kwargs)
+        shard = super().data_shard_of(dims)
+        return shard if self.fault_tolerance is None else worker_data_shard(self.fault_tolerance, shard)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -212,6 +212,11 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
+        if name in FLOAT8:  # reachable through a plain lightning.Trainer, which skips the family check
+            raise ConfigurationError(
+                f"precision={name!r} cannot run under DiLoCo: its workers' parameters are not converted to float8. "
+                "Use fsdp2 or parallel_3d for float8, or a DiLoCo precision such as 'bf16-mixed'."
+            )
         enforce_contract(self.inner, name, device_type=self.root_device.type)  # type: ignore[arg-type]
         return fsdp2_precision_plugin(name, self.root_device.type) if self.inner == "fsdp2" else plugin
 

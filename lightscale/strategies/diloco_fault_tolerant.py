@@ -20,6 +20,7 @@ from torch import nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
+from lightscale.parallel.data_shard import DataShard
 from lightscale.parallel.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
 
 
@@ -51,12 +52,11 @@ def fault_tolerance_of(
     return ft
 
 
-def worker_sampler_kwargs(ft: FaultTolerance, kwargs: dict[str, int]) -> dict[str, int]:
-    """With ``data_shards``, a worker reads its own part of the dataset, split over its ranks (``kwargs``)."""
+def worker_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
+    """With ``data_shards``, a worker reads its own part of the dataset, split over its ranks (``shard``)."""
     if ft.data_shards is None:
-        return kwargs
-    ranks = kwargs["num_replicas"]
-    return {"num_replicas": ft.data_shards * ranks, "rank": ft.data_part() * ranks + kwargs["rank"]}
+        return shard
+    return DataShard(ft.data_part() * shard.count + shard.index, ft.data_shards * shard.count)
 
 
 def fault_tolerant_outer_sync(

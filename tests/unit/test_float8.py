@@ -93,3 +93,10 @@ def test_float8_tp_styles_replace_the_plain_ones_for_converted_layers_on_cuda() 
     assert type(cuda["tok_embeddings"]) is RowwiseParallel  # an embedding
     assert float8_tp_plan(plan, model, Float8Options(), device_type="cpu") is plan  # gloo moves no float8
     assert float8_tp_plan(plan, model, Float8Options(recipe="rowwise"), device_type="cuda") is plan
+
+
+def test_diloco_refuses_float8_reached_through_plain_lightning() -> None:
+    """A plain lightning.Trainer skips lightscale.Trainer's family check: DiLoCo's own precision step refuses."""
+    strategy = lightscale.strategies.DiLoCoStrategy(inner="fsdp2")
+    with pytest.raises(ConfigurationError, match=r"precision='float8' cannot run under DiLoCo.*fsdp2 or parallel_3d"):
+        strategy.configure_precision(Float8Precision("float8", "cpu", emulate=True))
