@@ -30,12 +30,10 @@ Example:
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import lightning
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -43,8 +41,7 @@ from torch import Tensor
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 from lightscale.checkpoint.layout import check_checkpoint_dir, full_model_state_dict, write_checkpoint
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals, save_atomically
+from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
 from lightscale.errors import ConfigurationError
 
 TARGETS = ("safetensors", "torch", "dcp")
@@ -125,15 +122,7 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
 
 def _read_torch_file(path: Path, *, prefix: str) -> dict[str, Tensor]:
     """A Lightning ``.ckpt`` (its ``state_dict``, ``prefix`` stripped) or a plain state dict, weights-only."""
-    try:
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UnsafeCheckpointError(
-            f"Refusing to read {path}: it is not weights-only data (tensors, numbers, strings, containers) and may "
-            f"run code if unpickled. Load it only if you trust it. ({first_line})"
-        ) from None
+    loaded = load_weights_only(path)
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):  # a Lightning checkpoint
         state = loaded["state_dict"]
         model = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}

@@ -24,19 +24,16 @@ Example:
 from __future__ import annotations
 
 import copy
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightscale.checkpoint.averaged import AVERAGED_META, from_lightning_convention, without_lightning_entries
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals
+from lightscale.checkpoint.safe_io import load_weights_only
 from lightscale.errors import ConfigurationError
 
 _LIGHTNING_TENSORS = ("state_dict", "optimizer_states")
@@ -125,14 +122,7 @@ def forget_file_layout() -> None:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    try:
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UnsafeCheckpointError(
-            f"Refusing to read {path}: it is not weights-only data and may run code if unpickled. ({first_line})"
-        ) from None
+    loaded = load_weights_only(path)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
         raise ConfigurationError(
             f"{path} is a file but not a Lightning checkpoint (no 'state_dict'); a lightscale strategy resumes a "

@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,8 @@ from torch.optim import Optimizer
 from lightscale.checkpoint.averaged import AVERAGED_META, to_lightning_convention
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
 from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, load_safely
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals
+from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.checkpoint.safe_io import load_weights_only
 from lightscale.errors import ConfigurationError
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
@@ -149,18 +148,12 @@ def _why_no_optimizer_state(path: Path, writer: dict[str, Any]) -> str | None:
 
 
 def _read_trainer_state(file: Path, *, weights_only: bool | None) -> dict[str, Any]:
-    trusted_code = weights_only is False
-    try:
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            return torch.load(file, map_location="cpu", weights_only=not trusted_code)
-    except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UnsafeCheckpointError(
-            f"Refusing to read {file}: it is not weights-only data and may run code if unpickled. A plain class of "
-            "yours in it (a config dataclass in the hyper-parameters) loads once registered with "
-            "lightscale.checkpoint.allow_in_checkpoints(cls) in this process; else pass weights_only=False only if you "
-            f"trust the file. ({first_line})"
-        ) from None
+    hint = (
+        "A plain class of yours in it (a config dataclass in the hyper-parameters) loads once registered with "
+        "lightscale.checkpoint.allow_in_checkpoints(cls) in this process; else pass weights_only=False only if you "
+        "trust the file."
+    )
+    return load_weights_only(file, hint=hint, trusted=weights_only is False)
 
 
 def _from_deepspeed(path: Path) -> dict[str, Any]:

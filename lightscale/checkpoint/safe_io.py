@@ -11,6 +11,7 @@ into the target, and a crash during the copy leaves a truncated checkpoint under
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.data import AttributeDict
 from typing_extensions import override
+
+from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
 
 _ALLOWED: list[Any] = []
 
@@ -69,3 +72,17 @@ def save_atomically(state: dict[str, Any], output: Path) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def load_weights_only(path: Path, *, hint: str = "Load it only if you trust it.", trusted: bool = False) -> Any:
+    """``torch.load`` of one file onto the CPU, refusing anything but weights-only data (plus the allow-listed
+    classes) with a message naming ``path``; ``trusted=True`` is the caller's explicit ``weights_only=False``."""
+    try:
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise UnsafeCheckpointError(
+            f"Refusing to read {path}: it is not weights-only data (tensors, numbers, strings, containers) and may "
+            f"run code if unpickled. {hint} ({first_line})"
+        ) from None

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 from pathlib import Path
 from typing import Any
-
-import torch
 
 # Imported for their allow-list entries: the recipes' config classes (saved in hyper-parameters) load weights-only
 # once their modules are imported, and consolidate reads hyper-parameters in a process that imported no recipe.
@@ -30,8 +27,7 @@ import lightscale.recipes.gpt.module
 import lightscale.recipes.vit.module  # noqa: F401
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.lightning_format import is_lightscale_directory, lightning_checkpoint
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals, save_atomically
+from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
 from lightscale.errors import ConfigurationError
 
 WITHOUT_OPTIMIZER = "consolidated without --with-optimizer"
@@ -64,12 +60,7 @@ def consolidate(
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UnsafeCheckpointError(f"Refusing to read {path}: it is not weights-only data. ({first_line})") from None
+    loaded = load_weights_only(path)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
         raise ConfigurationError(f"{path} is not a Lightning checkpoint (no 'state_dict'); consolidate cannot read it.")
     return loaded
