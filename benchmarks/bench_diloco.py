@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import yaml
 
 from lightscale.callbacks import CommMonitor
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
@@ -36,6 +37,19 @@ RUNS: dict[str, dict[str, Any] | None] = {
     "local SGD H=50": {"sync_every": 50, "mode": "local_sgd"},
 }
 IMAGE = Path(__file__).resolve().parents[1] / "docs" / "images" / "diloco_curves.png"
+RECIPE = Path(__file__).resolve().parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / "small_ddp.yaml"
+
+
+def recipe_settings() -> dict[str, Any]:
+    """The small GPT's model and data settings, read from the shipped recipe (one source of truth)."""
+    recipe = yaml.safe_load(RECIPE.read_text())
+    model, data = recipe["model"]["init_args"], recipe["data"]["init_args"]
+    return {
+        "config": GPTConfig(**model["config"]),
+        "learning_rate": model["learning_rate"],
+        "warmup_steps": model["warmup_steps"],
+        "batch": data["batch_size"],
+    }
 
 
 class ValLosses(pl.Callback):
@@ -58,6 +72,7 @@ def _train(
     warmup_steps: int = 20,
     batch: int = BATCH,
     val_batches: int = 8,
+    text_files: list[str] | None = None,
 ) -> dict[str, Any]:
     """One run on ``WORKERS`` ranks (DDP when ``settings`` is None); ``config`` and the rest: the model and data."""
     pl.seed_everything(0, verbose=False)
@@ -70,12 +85,13 @@ def _train(
         callbacks=[monitor, losses],
     )  # fmt: skip
     module = GPTModule(config, learning_rate=learning_rate, warmup_steps=warmup_steps)
-    trainer.fit(module, GPTDataModule(block_size=config.block_size, batch_size=batch, cache_dir=cache))
+    data = GPTDataModule(text_files, block_size=config.block_size, batch_size=batch, cache_dir=cache)
+    trainer.fit(module, data)
     sent = sum(t.bytes for step in monitor.records for kind, t in step.items() if kind in ("all_reduce", "all_gather"))
     return {"curve": losses.curve, "bytes": sent}
 
 
-def _plot(results: dict[str, dict[str, Any]]) -> None:
+def plot(results: dict[str, dict[str, Any]], image: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,11 +101,11 @@ def _plot(results: dict[str, dict[str, Any]]) -> None:
     for name, result in results.items():
         steps, values = zip(*result["curve"], strict=True)
         ax.plot(steps, values, marker="o", markersize=3, label=name)
-    ax.set(xlabel="optimizer step", ylabel="validation loss (global model)", title="tiny GPT, 4 workers x 1 rank")
+    ax.set(xlabel="optimizer step", ylabel="validation loss (global model)", title=title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    IMAGE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(IMAGE, dpi=110, bbox_inches="tight")
+    image.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(image, dpi=110, bbox_inches="tight")
 
 
 def main() -> None:
@@ -111,7 +127,7 @@ def main() -> None:
     for name, result in results.items():
         print(f"{name:<48} {result['curve'][-1][1]:>14.4f} {result['bytes'] / ddp_bytes:>12.4f}")
     print(json.dumps({name: r["curve"] for name, r in results.items()}))
-    _plot(results)
+    plot(results, IMAGE, "tiny GPT, 4 workers x 1 rank")
 
 
 if __name__ == "__main__":
