@@ -2,7 +2,8 @@
 arbitrary code and never leaves a half-written file.
 
 Reads: ``torch.load(weights_only=True)``, with the few plain containers Lightning stores in a checkpoint
-allow-listed. Writes: a temporary file *beside* the target, then ``os.replace``. Lightning's ``TorchCheckpointIO``
+allow-listed. Writes (:func:`atomic_path`, the one writer of single files): a temporary file *beside* the
+target, flushed to disk, then ``os.replace``. Lightning's ``TorchCheckpointIO``
 writes its temporary file to the system temp directory and moves it; when that is another filesystem than the
 checkpoint's (a local ``/tmp``, a network checkpoint directory: the usual cluster layout), the move is a copy
 into the target, and a crash during the copy leaves a truncated checkpoint under the final name.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +62,41 @@ class SafeCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=not trusted_code)
 
 
-def save_atomically(state: dict[str, Any], output: Path) -> None:
-    """``torch.save`` to ``output.partial`` in the same directory, flushed to disk, then renamed over ``output``
-    (atomic on one filesystem): never a half-written file under the final name, even after a power loss."""
-    partial = output.with_name(output.name + ".partial")
+@contextmanager
+def atomic_path(output: Path) -> Iterator[Path]:
+    """A temporary path beside ``output`` to write the file to; when the block ends, that file is flushed to disk
+    (``fsync``) and renamed over ``output`` (atomic on one filesystem); if the block fails, it is removed.
+
+    Never a half-written file under the final name, even after a power loss. The name
+    (``OUT.<random>.partial``) is unique, so concurrent writers of one target (ranks caching the same token file)
+    never write into each other's file; the ``.partial`` suffix marks it incomplete for ``resume="auto"``.
+
+    Example:
+        >>> with atomic_path(Path("gpt.safetensors")) as partial:
+        ...     save_file(state, str(partial))
+    """
+    partial = output.with_name(f"{output.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
-        with open(partial, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
+        yield partial
+        _fsync(partial)
         os.replace(partial, output)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)  # fsync flushes the file's pages whichever descriptor asks
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_atomically(state: dict[str, Any], output: Path) -> None:
+    """``torch.save`` of ``state`` to ``output`` through :func:`atomic_path`."""
+    with atomic_path(output) as partial:
+        torch.save(state, partial)
 
 
 def load_weights_only(path: Path, *, hint: str = "Load it only if you trust it.", trusted: bool = False) -> Any:
