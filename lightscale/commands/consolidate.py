@@ -20,11 +20,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Imported for their allow-list entries: the recipes' config classes (saved in hyper-parameters) load weights-only
-# once their modules are imported, and consolidate reads hyper-parameters in a process that imported no recipe.
-import lightscale.recipes.clip.module
-import lightscale.recipes.gpt.module
-import lightscale.recipes.vit.module  # noqa: F401
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.lightning_format import is_lightscale_directory, lightning_checkpoint
 from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
