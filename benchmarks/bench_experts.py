@@ -18,10 +18,11 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))  # the loop: a test reference
 from common import interleaved, median
+from experts_reference import loop_experts
 
 from lightscale.parallel.grouped_mm import grouped_mlp
-from lightscale.testing import loop_experts
 
 CALLS = 5  # timed forward + backward calls per repeat
 

@@ -5,8 +5,13 @@ runs each in a child process; the grouped row also runs on a CPU, which the CPU 
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+# The per-expert loop is a test reference (tests/experts_reference.py), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 EXPERTS = {"experts": 64, "width": 1024, "tokens": 8 * 1024}  # top 2: 16,384 token copies, hidden 4 x width
 
@@ -14,9 +19,9 @@ EXPERTS = {"experts": 64, "width": 1024, "tokens": 8 * 1024}  # top 2: 16,384 to
 def grouped_vs_loop(experts: int, width: int, tokens: int, repeats: int = 10) -> dict[str, Any]:
     """Median forward + backward time of grouped GEMM and of the loop on the same uneven groups, and their ratio."""
     import torch
+    from experts_reference import loop_experts
 
     from lightscale.parallel.grouped_mm import grouped_mlp
-    from lightscale.testing import loop_experts
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -10,8 +10,11 @@ class ConfigurationError(ValueError):
     """
 
 
-def import_extra(module: str, extra: str) -> Any:
-    """``module`` (an optional dependency), or an ImportError naming the lightscale extra that installs it.
+def import_extra(module: str, extra: str, *, error: type[Exception] = ImportError) -> Any:
+    """``module`` (an optional dependency), or ``error`` naming the lightscale extra that installs it.
+
+    Library calls raise the ImportError; a setting that the CLI reads (float8, export --hf) passes
+    ``error=ConfigurationError``, which the CLI prints without a traceback.
 
     Example:
         >>> litdata = import_extra("litdata", "litdata")
@@ -19,4 +22,4 @@ def import_extra(module: str, extra: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as err:
-        raise ImportError(f"{module} is not installed; install it with: pip install 'lightscale[{extra}]'") from err
+        raise error(f"{module} is not installed; install it with: pip install 'lightscale[{extra}]'") from err

@@ -211,10 +211,3 @@ def torchrun_fork(entrypoint: Callable[..., Any], *args: Any, nproc: int, max_re
     parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(parsed)
     return elastic_launch(config, entrypoint)(*args)
-
-
-def loop_experts(tokens: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The routed experts one matmul pair at a time: the reference grouped GEMM is tested against."""
-    chunks = tokens.split(counts.tolist())
-    outputs = [torch.nn.functional.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(chunks)]
-    return torch.cat(outputs) if outputs else tokens.new_zeros(0, w2.shape[-1])

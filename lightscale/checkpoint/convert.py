@@ -16,7 +16,7 @@ source          what it is                                          read with
 Targets: ``safetensors`` (one file; tensors that share storage, such as tied embeddings, are stored once per
 name, so ``load_file`` then a strict ``load_state_dict`` works), ``torch`` (a weights-only ``torch.save`` file) and
 ``dcp`` (the portable layout's ``model`` part plus a ``trainer_state.pt`` that names no loop state). Every write
-is atomic: a ``.partial`` file or a ``.tmp`` directory beside the target, then a rename.
+is atomic: a ``.partial`` file (``safe_io.atomic_path``) or a ``.tmp`` directory beside the target, then a rename.
 
 Keys: Lightning checkpoints hold the LightningModule's keys (``model.transformer.h.0...``); plain files hold the
 single-device model's (``transformer.h.0...``). ``prefix`` (the LightningModule attribute holding the model) is
@@ -41,7 +41,7 @@ from torch import Tensor
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 from lightscale.checkpoint.layout import check_checkpoint_dir, full_model_state_dict, write_checkpoint
-from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
+from lightscale.checkpoint.safe_io import atomic_path, load_weights_only, save_atomically
 from lightscale.errors import ConfigurationError
 
 TARGETS = ("safetensors", "torch", "dcp")
@@ -162,14 +162,8 @@ def save_safetensors(state: dict[str, Tensor], output: Path) -> None:
     not_tensors = sorted(key for key, value in state.items() if not isinstance(value, Tensor))
     if not_tensors:
         raise ConfigurationError(f"safetensors stores tensors only; these entries are not: {not_tensors[:5]}.")
-    partial = output.with_name(output.name + ".partial")
-    try:
+    with atomic_path(output) as partial:
         save_file(_unshared(state), str(partial), metadata={"format": "pt"})
-        _fsync(partial)
-        os.replace(partial, output)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -182,14 +176,6 @@ def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
         out[name] = tensor.clone() if pointer in seen and tensor.numel() else tensor
         seen.add(pointer)
     return out
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "model.") -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals
+from lightscale.checkpoint.safe_io import checkpoint_safe_globals, load_with_package_classes
 from lightscale.checkpoint.shape_check import check_shapes
 from lightscale.errors import ConfigurationError
 
@@ -42,8 +42,12 @@ def deepspeed_safe_globals() -> list[Any]:
 
 def safe_load(path: str | os.PathLike, map_location: Any = None, *, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` that accepts what lightscale and DeepSpeed checkpoints contain."""
-    with torch.serialization.safe_globals([*checkpoint_safe_globals(), *deepspeed_safe_globals()]):
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+    def load() -> Any:
+        with torch.serialization.safe_globals([*checkpoint_safe_globals(), *deepspeed_safe_globals()]):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+    return load_with_package_classes(path, load)
 
 
 def safe_checkpoint_engine(engine_config: Any) -> Any:

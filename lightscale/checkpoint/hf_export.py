@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.checkpoint.safe_io import SafeCheckpointIO
-from lightscale.errors import ConfigurationError
+from lightscale.errors import ConfigurationError, import_extra
 
 MODELS = "models"  # trainer_state["lightscale"][MODELS]: [{"attribute", "class", "library", "config"}]
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' default for save_pretrained
@@ -110,20 +109,10 @@ def export_hf(
     return entry
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigurationError(
-            "lightscale export --hf of a transformers model needs transformers: pip install 'lightscale[hf]'."
-        ) from None
-    return transformers
-
-
 def _save_pretrained(
     entry: dict[str, str], state: dict[str, torch.Tensor], output: Path, max_shard_size: str | int
 ) -> None:
-    transformers = _transformers()
+    transformers = import_extra("transformers", "hf", error=ConfigurationError)
     cls = getattr(transformers, entry["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise ConfigurationError(
@@ -147,9 +136,6 @@ def _materialize_non_persistent(model: nn.Module) -> None:
 
 
 def _save_plain(entry: dict[str, str], state: dict[str, torch.Tensor], output: Path, max_shard_size: str | int) -> None:
-    try:
-        from huggingface_hub import save_torch_state_dict
-    except ImportError:
-        raise ConfigurationError("export --hf needs huggingface_hub: pip install 'lightscale[hf]'.") from None
-    save_torch_state_dict(state, output, max_shard_size=max_shard_size)
+    hub = import_extra("huggingface_hub", "hf", error=ConfigurationError)
+    hub.save_torch_state_dict(state, output, max_shard_size=max_shard_size)
     (output / "config.json").write_text(json.dumps(json.loads(entry["config"]), indent=2) + "\n")

@@ -20,12 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Imported for their allow-list entries: the recipes' config classes (saved in hyper-parameters) load weights-only
-# once their modules are imported, and consolidate reads hyper-parameters in a process that imported no recipe.
-import lightscale.recipes.clip.module
-import lightscale.recipes.gpt.module
-import lightscale.recipes.vit.module  # noqa: F401
 from lightscale.checkpoint.atomic_dir import complete_checkpoint
+from lightscale.checkpoint.averaged import from_lightning_convention, without_lightning_entries
 from lightscale.checkpoint.lightning_format import is_lightscale_directory, lightning_checkpoint
 from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
 from lightscale.errors import ConfigurationError
@@ -37,12 +33,13 @@ def consolidate(
     checkpoint: str | os.PathLike, output: str | os.PathLike, *, with_optimizer: bool = False, averaged: bool = True
 ) -> dict:
     """Write ``checkpoint`` (a lightscale directory or a single Lightning file) as the Lightning file ``output``;
-    returns what was written."""
+    returns what was written. ``averaged=False`` (``--raw``) leaves a WeightAveraging average out of either: the
+    raw weights as ``state_dict``."""
     path = complete_checkpoint(Path(checkpoint))
     if is_lightscale_directory(path):
         result = lightning_checkpoint(path, optimizer=with_optimizer, averaged=averaged)
     elif path.is_file():
-        result = _read_file(path)
+        result = _read_file(path, averaged=averaged)
     else:
         raise ConfigurationError(
             f"{path} is neither a lightscale checkpoint directory (.metadata, or DeepSpeed's checkpoint/) nor a "
@@ -59,11 +56,16 @@ def consolidate(
     return result
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+def _read_file(path: Path, *, averaged: bool) -> dict[str, Any]:
+    """A Lightning file; ``averaged=False`` turns a WeightAveraging file (average as ``state_dict``, raw weights as
+    ``current_model_state``: Lightning's convention) into the raw weights alone, as for a directory."""
     loaded = load_weights_only(path)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
         raise ConfigurationError(f"{path} is not a Lightning checkpoint (no 'state_dict'); consolidate cannot read it.")
-    return loaded
+    if averaged:
+        return loaded
+    raw, _, _ = from_lightning_convention(loaded)
+    return {**without_lightning_entries(loaded), "state_dict": raw}
 
 
 def consolidate_command(args: list[str]) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightscale.errors import ConfigurationError
+from lightscale.errors import ConfigurationError, import_extra
 
 RECIPES = ("tensorwise", "rowwise")
 SIZE_MULTIPLE = 16
@@ -55,14 +55,7 @@ class Float8Options:
 
 def torchao_float8() -> ModuleType:
     """``torchao.float8``, or a ConfigurationError naming the extra that installs it."""
-    try:
-        import torchao.float8 as float8
-    except ImportError as err:
-        raise ConfigurationError(
-            "float8 training needs torchao, the optional extra: pip install 'lightscale[float8]' "
-            "(docs/plugins/precision.md)."
-        ) from err
-    return float8
+    return import_extra("torchao.float8", "float8", error=ConfigurationError)
 
 
 def float8_config(options: Float8Options, *, fsdp_all_gather: bool) -> Any:

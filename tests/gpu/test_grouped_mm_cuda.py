@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from experts_reference import loop_experts
 
 from lightscale.parallel.grouped_mm import CUDA_GROUP_ROWS, group_rows, grouped_mlp
-from lightscale.testing import loop_experts
 
 pytestmark = pytest.mark.gpu
 

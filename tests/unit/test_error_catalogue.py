@@ -640,7 +640,7 @@ CATALOGUE: list[tuple] = [
     ("hf-module", "export --hf --module naming no model the checkpoint recorded", _hf_unknown_module, CE,
      r"--module 'net' is not an exportable model of last.ckpt; recorded: \['model'\]"),
     ("hf-extra", "export --hf of a transformers model without transformers installed", _hf_without_transformers, CE,
-     r"needs transformers: pip install 'lightscale\[hf\]'"),
+     r"transformers is not installed; install it with: pip install 'lightscale\[hf\]'"),
     ("fsdp-pin-memory", "offload with pinned memory on a machine without CUDA", _pinned_without_cuda, CE,
      r"offload=True with pin_memory=True needs CUDA.*pin_memory=False"),
     ("zero-fp16-cpu", "16-mixed under a ZeRO name on CPU (DeepSpeed has no CPU fp16)",

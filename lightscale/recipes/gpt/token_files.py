@@ -16,8 +16,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
+from lightscale.checkpoint.safe_io import atomic_path
 from lightscale.errors import ConfigurationError, import_extra
 
 LLMC_MAGIC = 20240520
@@ -99,20 +98,11 @@ def write_token_file(path: str | Path, tokens: np.ndarray, *, token_format: str 
 
 
 def write_atomically(path: str | Path, parts: Iterable[bytes]) -> Path:
-    """Write to a temporary file beside ``path`` and rename it, so no reader ever sees half a file."""
+    """Write ``parts`` through :func:`atomic_path` (a file beside ``path``, renamed), so no reader sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic within one file system, hence the temp file sits beside the target
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as partial, open(partial, "wb") as file:
+        file.writelines(parts)
     return path
 
 
