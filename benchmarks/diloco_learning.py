@@ -3,12 +3,13 @@
 The model, learning rate, warm-up and batch of ``gpt/small_ddp.yaml``; the corpus is CPython's own library source
 (every ``.py`` file outside the test suites, ~11 MB, byte tokens), so a run of this length reads each training
 window less than once and the validation loss measures learning, not memorising the recipe's 460 KB default corpus.
-DDP (``bucketed_ddp``) against local SGD, DiLoCo with its defaults and streaming DiLoCo, all at ``--sync-every``:
+DDP (``bucketed_ddp``) against local SGD, DiLoCo and streaming DiLoCo with their defaults, and DiLoCo with the
+paper's outer step, all at ``--sync-every``:
 validation loss of the global model every ``--val-every`` steps, bytes each rank handed to collectives ÷ DDP's.
 Writes the curves to docs/images/diloco_small_gpt.png and ``--out`` (JSON, after every run). About an hour on
 2 CPU cores (``make bench-diloco`` runs it after the sweep).
 
-    python benchmarks/diloco_learning.py [--steps 600] [--sync-every 30] [--val-every 60]
+    python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from bench_diloco import WORKERS, _train, plot, recipe_settings
 
+from lightscale.parallel.diloco.outer_sync import PAPER_OUTER_STEP
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
 from lightscale.testing import run_distributed
 
@@ -37,21 +39,24 @@ def library_sources() -> list[str]:
 
 
 def runs(sync_every: int) -> dict[str, dict[str, Any] | None]:
-    """Run name -> DiLoCoStrategy settings (None: DDP); DiLoCo's outer step is left to its defaults."""
+    """Run name -> DiLoCoStrategy settings (None: DDP); DiLoCo's outer step is its default for H, then the paper's."""
     h = sync_every
     return {
         "DDP": None,
         f"local SGD H={h}": {"sync_every": h, "mode": "local_sgd"},
         f"DiLoCo H={h} (defaults)": {"sync_every": h},
         f"streaming DiLoCo H={h} (3 fragments, overlap 1)": {"sync_every": h, "fragments": 3, "overlap_steps": 1},
-    }
+        f"DiLoCo H={h}, the paper's outer step (lr 0.7, momentum 0.9)": {
+            "sync_every": h, "outer_lr": PAPER_OUTER_STEP[0], "outer_momentum": PAPER_OUTER_STEP[1],
+        },
+    }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=750)
     parser.add_argument("--sync-every", type=int, default=30)
-    parser.add_argument("--val-every", type=int, default=60)
+    parser.add_argument("--val-every", type=int, default=75)
     parser.add_argument("--out", default="diloco_learning.json")
     parser.add_argument("--cache", default="/tmp/lightscale_bench_diloco_corpus")
     args = parser.parse_args()

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -45,6 +46,8 @@ from lightscale.parallel.diloco import (
     OuterSync,
     Schedule,
     check_outer_settings,
+    default_outer_step,
+    sgd_outer_optimizer,
 )
 from lightscale.parallel.fsdp import contains_module, materialize_meta_module, no_gradient_sync, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims
@@ -72,7 +75,9 @@ class DiLoCoStrategy(LightscaleStrategy):
             per rank on one machine. Must divide the world size.
         inner: the data parallelism inside a worker, ``"bucketed_ddp"`` or ``"fsdp2"``.
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
-        outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); the paper's 0.7 and 0.9.
+        outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
+            ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in
+            docs/benchmarks.md; the paper's 0.7 and 0.9 were tuned for H=500).
         fragments, overlap_steps: streaming DiLoCo: ``fragments`` staggered parts, each collective overlapped with
             ``overlap_steps`` inner steps.
         compression: the outer wire, ``"none"``, ``"bf16"`` or ``"int8"`` (diloco mode only).
@@ -108,8 +113,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         workers: int | None = None,
         inner: Inner = "bucketed_ddp",
         sync_every: int = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
         compression: str = "none",
@@ -121,6 +126,11 @@ class DiLoCoStrategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.schedule = Schedule(sync_every, fragments, overlap_steps)
+        self.outer_step_defaulted = outer_lr is None or outer_momentum is None
+        default_lr, default_momentum = default_outer_step(self.schedule.sync_every)
+        outer_lr = default_lr if outer_lr is None else outer_lr
+        outer_momentum = default_momentum if outer_momentum is None else outer_momentum
         _check_settings(workers, inner, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
         if inner == "fsdp2" and self.checkpoint_format == "file":
@@ -131,7 +141,6 @@ class DiLoCoStrategy(LightscaleStrategy):
         self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
         check_outer_settings(mode, compression)
-        self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
@@ -251,6 +260,12 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     def _outer_sync(self, module: nn.Module) -> OuterSync:
         outer_optimizer = self._outer_optimizer if self.mode == "diloco" else None
+        if outer_optimizer is not None:
+            chosen = "the default for this H" if self.outer_step_defaulted else "as given"
+            rank_zero_info(
+                f"lightscale: DiLoCo outer step every {self.schedule.sync_every} steps: SGD lr {self.outer_lr}, "
+                f"Nesterov momentum {self.outer_momentum} ({chosen}; docs/strategies/diloco.md)."
+            )
         if self.fault_tolerance is not None:
             self.ft = fault_tolerant_outer_sync(
                 self.fault_tolerance, module, sync_every=self.schedule.sync_every, mode=self.mode,
@@ -265,8 +280,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         )  # fmt: skip
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        momentum = self.outer_momentum
-        return torch.optim.SGD(params, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        return sgd_outer_optimizer(self.outer_lr, self.outer_momentum)(params)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -437,6 +451,8 @@ def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_mome
             f"the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
         )
     if not (isinstance(outer_lr, int | float) and outer_lr > 0):
-        raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (the DiLoCo paper uses 0.7).")
+        raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (None: the default for H).")
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
-        raise ConfigurationError(f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (paper: 0.9).")
+        raise ConfigurationError(
+            f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (None: the default for H)."
+        )

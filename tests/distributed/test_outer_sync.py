@@ -14,11 +14,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightscale.comm_counter import CollectiveCounter
-from lightscale.parallel.diloco import OuterSync
+from lightscale.parallel.diloco import OuterSync, default_outer_step
 from lightscale.testing import run_distributed
 
 LR = 0.1
-MU, OUTER_LR = 0.9, 0.7  # the default outer optimizer's momentum and rate
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -132,6 +131,7 @@ def _nesterov_reference(steps: int, every: int, fragments: list[list[int]], over
     buf: list[Tensor | None] = [None] * len(params)
     in_flight: list[tuple[int, list[int], list[Tensor]]] = []
     offsets = [f * every // len(fragments) for f in range(len(fragments))]
+    outer_lr, mu = default_outer_step(every)  # what OuterSync builds when given no outer optimizer
     for step in range(1, steps + 1):
         _inner_step(model, opt, step, None)
         sends = [f for f in range(len(fragments)) if (step - offsets[f]) % every == 0]
@@ -144,8 +144,8 @@ def _nesterov_reference(steps: int, every: int, fragments: list[list[int]], over
         for due in [item for item in in_flight if item[0] == step]:
             in_flight.remove(due)
             for i, d in zip(due[1], due[2], strict=True):
-                buf[i] = d.clone() if buf[i] is None else MU * buf[i] + d
-                glob[i] = glob[i] - OUTER_LR * (d + MU * buf[i])
+                buf[i] = d.clone() if buf[i] is None else mu * buf[i] + d
+                glob[i] = glob[i] - outer_lr * (d + mu * buf[i])
                 params[i].data.copy_(glob[i])
     return _params(model)
 

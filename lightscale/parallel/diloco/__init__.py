@@ -4,7 +4,14 @@
 """
 
 from lightscale.parallel.diloco.fault_tolerant import FaultTolerance, FaultTolerantOuterSync, RoundRecord
-from lightscale.parallel.diloco.outer_sync import MODES, OuterSync, check_outer_settings, nesterov_outer_optimizer
+from lightscale.parallel.diloco.outer_sync import (
+    MODES,
+    OuterSync,
+    check_outer_settings,
+    default_outer_step,
+    nesterov_outer_optimizer,
+    sgd_outer_optimizer,
+)
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
 from lightscale.parallel.diloco.wire import Codec
 
@@ -17,6 +24,8 @@ __all__ = [
     "RoundRecord",
     "Schedule",
     "check_outer_settings",
+    "default_outer_step",
     "nesterov_outer_optimizer",
+    "sgd_outer_optimizer",
     "split_fragments",
 ]

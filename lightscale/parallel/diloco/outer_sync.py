@@ -5,8 +5,9 @@ was given and talks only over ``group``: one rank per worker, the ranks that hol
 each worker (with plain DDP inside a worker, all ranks of the same position; with ZeRO/FSDP, the same shard).
 
 ``mode="diloco"``: the pseudo-gradient ``global - local`` is averaged over the workers and an outer optimizer
-(default SGD, lr 0.7, Nesterov momentum 0.9, as in the DiLoCo paper) steps an fp32 copy of the global parameters,
-which every worker then continues from. ``mode="local_sgd"``: the parameters themselves are averaged.
+(default: SGD with Nesterov momentum, lr and momentum by ``H`` from :func:`default_outer_step`) steps an fp32 copy
+of the global parameters, which every worker then continues from. ``mode="local_sgd"``: the parameters themselves
+are averaged.
 
 Example (each rank of a 2-worker gloo job, one rank per worker):
     >>> sync = OuterSync(model.named_parameters(), sync_every=4)
@@ -36,9 +37,33 @@ OuterOptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 Reducer = Callable[[Tensor], "Tensor | None"]  # this worker's flat fp32 payload -> the workers' mean, or None: skip
 
 
+# (largest H, outer lr, outer momentum): the defaults, from the sweep in docs/benchmarks.md ("DiLoCo: the outer
+# step"). The paper's 0.7 / 0.9 were tuned for H=500 and hundreds of rounds; at the H and run lengths tried first
+# they are behind plain parameter averaging.
+OUTER_STEP_BY_H: tuple[tuple[int, float, float], ...] = ((15, 0.7, 0.5), (50, 0.7, 0.5), (200, 0.7, 0.5))
+PAPER_OUTER_STEP = (0.7, 0.9)  # Douillard et al. 2023, H=500
+
+
+def default_outer_step(sync_every: int) -> tuple[float, float]:
+    """The default outer SGD ``(lr, Nesterov momentum)`` for ``H = sync_every`` (the paper's above the table)."""
+    for largest_h, lr, momentum in OUTER_STEP_BY_H:
+        if sync_every <= largest_h:
+            return lr, momentum
+    return PAPER_OUTER_STEP
+
+
+def sgd_outer_optimizer(lr: float, momentum: float) -> OuterOptimizerFactory:
+    """Builds the outer SGD (Nesterov when ``momentum > 0``) over the tensors it is given."""
+
+    def build(params: list[Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    return build
+
+
 def nesterov_outer_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
     """The DiLoCo paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    return sgd_outer_optimizer(*PAPER_OUTER_STEP)(params)
 
 
 @dataclass
@@ -69,8 +94,8 @@ class OuterSync:
         sync_every: ``H``, inner steps between two syncs of the same fragment.
         group: the outer process group (``None``: the default group, i.e. one rank per worker).
         mode: ``"diloco"`` (outer optimizer on averaged pseudo-gradients) or ``"local_sgd"`` (average parameters).
-        outer_optimizer: builds the outer optimizer from a list of fp32 tensors (diloco only; default
-            :func:`nesterov_outer_optimizer`). One is built per fragment.
+        outer_optimizer: builds the outer optimizer from a list of fp32 tensors (diloco only; default SGD with
+            :func:`default_outer_step` for ``sync_every``). One is built per fragment.
         fragments: ``k``; the model is split into ``k`` contiguous fragments that sync at staggered steps.
         overlap_steps: inner steps a fragment's collective runs behind; its result is applied that many steps
             after it was sent (0: at once). Local progress on that fragment in between is replaced by the result.
@@ -109,7 +134,7 @@ class OuterSync:
         self.world = 1 if reduce is not None else dist.get_world_size(group)
         if broadcast_start and reduce is None:
             self._broadcast_start()
-        factory = outer_optimizer or nesterov_outer_optimizer
+        factory = outer_optimizer or sgd_outer_optimizer(*default_outer_step(sync_every))
         sizes = [p.numel() for p in self.params]
         self.fragments = [self._fragment(ids, factory) for ids in split_fragments(sizes, fragments)]
         self.step = 0  # inner steps done
