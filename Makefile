@@ -42,9 +42,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
 
-# Hours on CPU, outside `make bench`: DiLoCo's outer lr x momentum x H on the small GPT against DDP and local SGD.
+# About two hours on 2 CPU cores, outside `make bench`: DiLoCo's outer lr x momentum x H (the tiny GPT) against DDP
+# and local SGD, then the learning figure of the small GPT at H=30 (docs/benchmarks.md, "DiLoCo").
 bench-diloco: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sweep_diloco.py
+	mkdir -p runs
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sweep_diloco.py --out runs/sweep_diloco.json
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/diloco_learning.py --out runs/diloco_learning.json
 
 # Minutes per strategy family, outside `make test`: host RSS and step-time slopes over 2,000 steps (docs/benchmarks.md).
 soak: $(STAMP)

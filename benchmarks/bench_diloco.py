@@ -1,10 +1,11 @@
 """DiLoCo's learning figure on CPU: the tiny GPT on 4 workers x 1 rank, the same tokens under every method.
 
-Synchronous DDP (``bucketed_ddp``) against DiLoCo with H = 10, 50, 100, streaming DiLoCo and local SGD (H = 50):
+Synchronous DDP (``bucketed_ddp``) against local SGD, DiLoCo (its default outer step and the paper's) and streaming
+DiLoCo at H = 30, and DiLoCo at H = 100:
 the validation loss of the global model every ``--val-every`` steps, its last value, and the bytes each rank handed
 to collectives in training steps (CommMonitor's count) divided by DDP's. Writes docs/images/diloco_curves.png.
 
-    python benchmarks/bench_diloco.py [--steps 300] [--val-every 50]
+    python benchmarks/bench_diloco.py [--steps 600] [--val-every 100]
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ WORKERS = 4
 BATCH = 8  # per rank
 RUNS: dict[str, dict[str, Any] | None] = {
     "DDP": None,
-    "DiLoCo H=10": {"sync_every": 10},
-    "DiLoCo H=50": {"sync_every": 50},
+    "local SGD H=30": {"sync_every": 30, "mode": "local_sgd"},
+    "DiLoCo H=30": {"sync_every": 30},
+    "DiLoCo H=30, the paper's outer step": {"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "streaming DiLoCo H=30 (3 fragments, overlap 1)": {"sync_every": 30, "fragments": 3, "overlap_steps": 1},
     "DiLoCo H=100": {"sync_every": 100},
-    "streaming DiLoCo H=50 (5 fragments, overlap 1)": {"sync_every": 50, "fragments": 5, "overlap_steps": 1},
-    "local SGD H=50": {"sync_every": 50, "mode": "local_sgd"},
 }
 IMAGE = Path(__file__).resolve().parents[1] / "docs" / "images" / "diloco_curves.png"
 RECIPE = Path(__file__).resolve().parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / "small_ddp.yaml"
@@ -110,8 +111,8 @@ def plot(results: dict[str, dict[str, Any]], image: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--val-every", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--val-every", type=int, default=100)
     parser.add_argument("--cache", default="/tmp/lightscale_bench_diloco_corpus")
     args = parser.parse_args()
     tokenize_to_memmap(None, Path(args.cache), ByteTokenizer())  # once, before the ranks start
