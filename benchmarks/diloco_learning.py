@@ -9,7 +9,7 @@ validation loss of the global model every ``--val-every`` steps, bytes each rank
 Writes the curves to docs/images/diloco_small_gpt.png and ``--out`` (JSON, after every run). About an hour on
 2 CPU cores (``make bench-diloco`` runs it after the sweep).
 
-    python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75]
+    python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75] [--resume]
 """
 
 from __future__ import annotations
@@ -59,19 +59,23 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=75)
     parser.add_argument("--out", default="diloco_learning.json")
     parser.add_argument("--cache", default="/tmp/lightscale_bench_diloco_corpus")
+    parser.add_argument("--resume", action="store_true", help="keep the runs --out holds, run the others")
     args = parser.parse_args()
     texts = library_sources()
     tokenize_to_memmap(texts, Path(args.cache), ByteTokenizer())  # once, before the ranks start
     settings = {**recipe_settings(), "val_batches": 8, "text_files": texts}
-    results: dict[str, dict[str, Any]] = {}
+    out = Path(args.out)
+    results: dict[str, dict[str, Any]] = json.loads(out.read_text()) if args.resume and out.exists() else {}
     for name, strategy in runs(args.sync_every).items():
+        if name in results:  # --resume: finished before
+            continue
         start = time.perf_counter()
         results[name] = run_distributed(
             _train, strategy, args.steps, args.val_every, args.cache, world_size=WORKERS, timeout_s=6 * 3600,
             **settings,
         )[0]  # fmt: skip
         print(f"{name}: {results[name]['curve'][-1][1]:.4f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-        Path(args.out).write_text(json.dumps(results))  # a partial run survives
+        out.write_text(json.dumps(results))  # a partial run survives (--resume goes on from it)
     ddp = results["DDP"]
     print(f"{'method':<48} {'final val loss':>14} {'vs DDP':>8} {'bytes / DDP':>12}")
     for name, result in results.items():

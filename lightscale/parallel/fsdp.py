@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.ties import retie, tied_parameters
 
 
 def module_class_names(model: nn.Module) -> list[str]:
@@ -178,7 +179,9 @@ def materialize_meta_module(
     """
     _check_materializable(model)
     kept = _real_tensors(model)  # built outside the meta context (e.g. in __init__): keep their values
-    model.to_empty(device=device)
+    ties = tied_parameters(model)
+    model.to_empty(device=device)  # a plain (not DTensor) parameter becomes a new tensor under each of its names
+    retie(model, ties)
     done = _restore(model, kept)
     for module in model.modules():  # buffers whose module can re-create them (e.g. MoE router biases)
         if callable(getattr(module, "reset_buffers", None)):

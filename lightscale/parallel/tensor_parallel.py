@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.ties import retie, tied_parameters
 
 TPPlan = dict[str, ParallelStyle]
 _SHARDABLE = (nn.Linear, nn.Embedding)  # what Colwise/Rowwise know how to shard
@@ -69,30 +70,16 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, strict
     """
     if strict:
         validate_tp_plan(model, plan)
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     present = {pattern: style for pattern, style in plan.items() if matching_modules(model, pattern)}
     parallelize_module(model, tp_mesh, present)
     _retie(model, ties)
     return model
 
 
-def _tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
-    """(alias, first name) of every parameter registered under two names (e.g. a head tied to the embedding)."""
-    first: dict[int, str] = {}
-    ties = []
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}" if module_name else name
-            if id(param) in first and first[id(param)] != full:
-                ties.append((full, first[id(param)]))
-            first.setdefault(id(param), full)
-    return ties
-
-
 def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
     """Styles replace each module's parameters by new DTensors: point aliases at the one their original now is."""
     for alias, original in ties:
-        owner, _, name = alias.rpartition(".")
         source = model.get_parameter(original)
         target = model.get_parameter(alias)
         if getattr(target, "placements", None) != getattr(source, "placements", None):
@@ -100,4 +87,4 @@ def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
                 f"{alias} is tied to {original}, but the TP plan shards them differently "
                 f"({getattr(target, 'placements', None)} vs {getattr(source, 'placements', None)}); shard both alike."
             )
-        setattr(model.get_submodule(owner) if owner else model, name, source)
+    retie(model, ties)
