@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--quick", action="store_true", help="the tiny GPT, 20 steps, a corner of the grid")
+    parser.add_argument("--only", nargs="+", metavar="RUN", help="these runs of the grid (names as printed)")
     parser.add_argument("--out", default="sweep_diloco.json")
     parser.add_argument("--cache", default="/tmp/lightscale_bench_diloco_corpus")
     args = parser.parse_args()
@@ -72,7 +73,13 @@ def main() -> None:
     steps, val_every = (20, 10) if args.quick else (args.steps, args.val_every)
     tokenize_to_memmap(None, Path(args.cache), ByteTokenizer())  # once, before the ranks start
     results = {}
-    for name, strategy in grid(args.quick).items():
+    runs = grid(args.quick)
+    unknown = sorted(set(args.only or ()) - set(runs))
+    if unknown:
+        parser.error(f"--only: no run named {unknown}; the grid has {sorted(runs)}")
+    for name, strategy in runs.items():
+        if args.only and name not in args.only:
+            continue
         start = time.perf_counter()
         results[name] = run_distributed(
             _train, strategy, steps, val_every, args.cache, world_size=WORKERS, timeout_s=24 * 3600, **settings
