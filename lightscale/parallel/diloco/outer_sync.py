@@ -39,7 +39,7 @@ Reducer = Callable[[Tensor], "Tensor | None"]  # this worker's flat fp32 payload
 
 # (largest H, outer lr, outer momentum): the defaults up to the largest H swept (docs/benchmarks.md, "DiLoCo"), the
 # best setting at H = 10 and 30 (first row) and at H = 100 (second); each beat local SGD at its H, which the paper's
-# 0.7 / 0.9 (tuned for H=500 over hundreds of rounds) did not at H = 10 and 30. Above the sweep the paper's stand.
+# 0.7 / 0.9 (tuned for H=500 over hundreds of rounds) did not at any H swept. Above the sweep the paper's stand.
 OUTER_STEP_BY_H: tuple[tuple[int, float, float], ...] = ((50, 0.7, 0.5), (100, 1.0, 0.5))
 PAPER_OUTER_STEP = (0.7, 0.9)  # Douillard et al. 2023, H=500
 
