@@ -53,7 +53,11 @@ def run_distributed(
     collective_timeout_s: float = 60.0,
     **kwargs: Any,
 ) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return the per-rank results in rank order."""
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return the per-rank results in rank order.
+
+    A rank that another rank's announced failure ended (exit code ``EXIT_CODE``) before it reported gives ``None``,
+    once every other rank has reported (e.g. all ranks meet the same error and the slower ones are ended by the
+    first one's announcement while the test catches it on the first)."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -86,20 +90,29 @@ def _collect(results: Any, procs: list[Any], timeout_s: float) -> list[Any]:
         try:
             rank, status, value = results.get(timeout=min(remaining, 1.0))
         except Exception:  # queue.Empty: check for ranks that died without reporting
-            _raise_if_died(procs, outcome)
+            _raise_if_died(procs, outcome, results)
             continue
         if status == "error":
             raise RankFailed(f"rank {rank} failed:\n{value}")
         outcome[rank] = (status, value)
-    return [pickle.loads(outcome[rank][1]) for rank in range(len(procs))]
+    return [None if outcome[rank] == _ENDED else pickle.loads(outcome[rank][1]) for rank in range(len(procs))]
 
 
-def _raise_if_died(procs: list[Any], outcome: dict[int, Any]) -> None:
+_ENDED = ("ended", b"")  # ended by another rank's announced failure, before reporting
+
+
+def _raise_if_died(procs: list[Any], outcome: dict[int, Any], results: Any) -> None:
+    if not results.empty():  # a rank writes its report before it exits: read what arrived since the last look
+        return
     for rank, proc in enumerate(procs):
         if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0, EXIT_CODE):
             raise RankFailed(f"rank {rank} died with exit code {proc.exitcode} before reporting a result.")
     # Ranks ended by another rank's announced failure wait for that rank's report, unless nobody is left to send it.
-    if all(not proc.is_alive() for rank, proc in enumerate(procs) if rank not in outcome):
+    unfinished = [rank for rank in range(len(procs)) if rank not in outcome]
+    if all(not procs[rank].is_alive() for rank in unfinished):
+        if outcome and all(procs[rank].exitcode == EXIT_CODE for rank in unfinished):
+            outcome.update(dict.fromkeys(unfinished, _ENDED))
+            return
         raise RankFailed(
             f"every unfinished rank ended without reporting a result (exit codes {[proc.exitcode for proc in procs]})."
         )
