@@ -7,7 +7,6 @@ the test checks that every committed mean is the mean of exactly the pseudo-grad
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from event_log import event_writer, read_events
 
+TEST_PATHS = (Path(__file__).parents[2], Path(__file__).parents[1])  # the project and tests/, for the workers
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
@@ -48,10 +49,7 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
     torch.manual_seed(100 + replica + 10 * os.getpid())  # different starts: the first quorum makes them equal
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - one line per event, flushed at once
-
-    def write(event: str, **fields: Any) -> None:
-        log.write(json.dumps({"event": event, "replica": replica, "pid": os.getpid(), **fields}) + "\n")
+    write = event_writer(log_path, replica=replica)
 
     def on_round(record: Any, contribution: torch.Tensor, mean: torch.Tensor | None) -> None:
         write(
@@ -90,10 +88,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
 def _wait_for(predicate: Any, what: str, deadline: float) -> None:
     while not predicate():
         if time.monotonic() > deadline:
@@ -102,14 +96,14 @@ def _wait_for(predicate: Any, what: str, deadline: float) -> None:
 
 
 def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     port = _free_port()
     lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas", "2",
                       "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S
-    log = tmp_path / "events.jsonl"
-    log.touch()
+    log = tmp_path / "events"
+    log.mkdir()
 
     def start(replica: int, *wait_for: str) -> subprocess.Popen[bytes]:
         out = open(tmp_path / f"worker{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
@@ -119,31 +113,31 @@ def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
 
     def committed(replica: int, pid: int, at_least: int) -> bool:
         return any(e["event"] == "round" and e["replica"] == replica and e["pid"] == pid and e["committed"]
-                   and e["round"] >= at_least for e in _events(log))  # fmt: skip
+                   and e["round"] >= at_least for e in read_events(log))  # fmt: skip
 
     try:
         procs.append(subprocess.Popen(lighthouse_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         workers = [start(r) for r in range(3)]
         restarted = start(KILLED, "restart")
-        _wait_for(lambda: sum(e["event"] == "start" for e in _events(log)) == 3, "3 workers", deadline)
+        _wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == 3, "3 workers", deadline)
         (tmp_path / "go").touch()
         _wait_for(lambda: committed(KILLED, workers[KILLED].pid, KILL_AFTER_ROUND), "round to kill in", deadline)
         time.sleep(STEP_SLEEP_S * SYNC_EVERY / 2)  # mid-round
         workers[KILLED].send_signal(signal.SIGKILL)
         workers[KILLED].wait()
         times = {"killed": time.monotonic()}
-        two = lambda: any(e["event"] == "round" and e["committed"] and e["participants"] == 2 for e in _events(log))  # noqa: E731
+        two = lambda: any(e["event"] == "round" and e["committed"] and e["participants"] == 2 for e in read_events(log))  # noqa: E731
         _wait_for(two, "a round of the survivors alone", deadline)
         times["restarted"] = time.monotonic()
         (tmp_path / "restart").touch()
         _wait_for(lambda: committed(KILLED, restarted.pid, 0), "the restarted worker's first round", deadline)
         times["rejoined"] = time.monotonic()
-        last = max(e["round"] for e in _events(log) if e["event"] == "round")
+        last = max(e["round"] for e in read_events(log) if e["event"] == "round")
         (tmp_path / "stop_at").write_text(str(last + 1 + ROUNDS_AFTER_REJOIN))
         for proc in [workers[0], workers[1], restarted]:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert proc.returncode == 0, (tmp_path / "worker*.txt", proc.args)
-        return _events(log), times
+        return read_events(log), times
     finally:
         for proc in procs:
             if proc.poll() is None:

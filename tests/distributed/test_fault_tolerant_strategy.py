@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from event_log import event_writer, read_events
 
+TEST_PATHS = (Path(__file__).parents[2], Path(__file__).parents[1])  # the project and tests/, for the workers
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
@@ -45,11 +46,8 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
     from lightscale.strategies import DiLoCoStrategy
 
     flags = Path(log_path).parent
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - one line per event, flushed at once
-
-    def write(event: str, **fields: Any) -> None:
-        rank = int(os.environ.get("LOCAL_RANK", 0))  # Lightning's launcher starts rank 1 with it
-        log.write(json.dumps({"event": event, "replica": replica, "rank": rank, "pid": os.getpid(), **fields}) + "\n")
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # Lightning's launcher starts rank 1 with it
+    write = event_writer(log_path, replica=replica, rank=rank)
 
     def flat(tensors: Any) -> list[float]:
         return torch.cat([t.detach().reshape(-1) for t in tensors]).tolist()
@@ -120,10 +118,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
 def _wait_for(predicate: Any, what: str, deadline: float) -> None:
     while not predicate():
         if time.monotonic() > deadline:
@@ -134,14 +128,14 @@ def _wait_for(predicate: Any, what: str, deadline: float) -> None:
 def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Start a lighthouse and the workers; kill the last worker mid-round and restart it; with 3 workers, then
     freeze worker FROZEN mid-round; stop the live ones a few rounds later."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     killed, port = workers - 1, _free_port()
     lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas",
                       str(workers - 1), "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S
-    log = tmp_path / "events.jsonl"
-    log.touch()
+    log = tmp_path / "events"
+    log.mkdir()
 
     def start(replica: int, *wait_for: str) -> subprocess.Popen[bytes]:
         out = open(tmp_path / f"worker{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
@@ -155,7 +149,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         return procs[-1]
 
     def rounds(**match: Any) -> list[dict[str, Any]]:
-        return [e for e in _events(log) if e["event"] == "round" and all(e[k] == v for k, v in match.items())]
+        return [e for e in read_events(log) if e["event"] == "round" and all(e[k] == v for k, v in match.items())]
 
     def mid_round_after(replica: int, pid: int, round_: int) -> None:
         _wait_for(lambda: rounds(replica=replica, pid=pid, committed=True, round=round_), f"round {round_}", deadline)
@@ -166,7 +160,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         launched = [start(r) for r in range(workers)]
         restarted = start(killed, "restart")
         started = workers * ranks
-        _wait_for(lambda: sum(e["event"] == "start" for e in _events(log)) == started, "the workers", deadline)
+        _wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == started, "the workers", deadline)
         (tmp_path / "go").touch()
 
         mid_round_after(killed, launched[killed].pid, 2)
@@ -192,7 +186,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         for proc in live:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert proc.returncode == 0, (sorted(tmp_path.glob("worker*.txt")), proc.args)
-        return _events(log), times
+        return read_events(log), times
     finally:
         for proc in procs:
             if proc is not procs[0]:  # a worker: all its ranks
