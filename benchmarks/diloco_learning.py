@@ -3,13 +3,14 @@
 The model, learning rate, warm-up and batch of ``gpt/small_ddp.yaml``; the corpus is CPython's own library source
 (every ``.py`` file outside the test suites, ~11 MB, byte tokens), so a run of this length reads each training
 window less than once and the validation loss measures learning, not memorising the recipe's 460 KB default corpus.
-DDP (``bucketed_ddp``) against local SGD, DiLoCo and streaming DiLoCo with their defaults, and DiLoCo with the
-paper's outer step, all at ``--sync-every``:
+DDP (``bucketed_ddp``) against local SGD, DiLoCo and streaming DiLoCo with their defaults, DiLoCo with the
+paper's outer step, and DiLoCo with its defaults after a synchronous start of ``--synchronous-share`` of the steps,
+all at ``--sync-every``:
 validation loss of the global model every ``--val-every`` steps, bytes each rank handed to collectives ÷ DDP's.
 Writes the curves to docs/images/diloco_small_gpt.png and ``--out`` (JSON, after every run). About an hour on
 2 CPU cores (``make bench-diloco`` runs it after the sweep).
 
-    python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75] [--resume]
+    python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75] [--resume] [--only RUN ...]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def library_sources() -> list[str]:
     return [str(p) for p in sorted(lib.rglob("*.py")) if not NOT_CORPUS & set(p.relative_to(lib).parts)]
 
 
-def runs(sync_every: int) -> dict[str, dict[str, Any] | None]:
+def runs(sync_every: int, synchronous: int) -> dict[str, dict[str, Any] | None]:
     """Run name -> DiLoCoStrategy settings (None: DDP); DiLoCo's outer step is its default for H, then the paper's."""
     h = sync_every
     return {
@@ -48,6 +49,9 @@ def runs(sync_every: int) -> dict[str, dict[str, Any] | None]:
         f"streaming DiLoCo H={h} (3 fragments, overlap 1)": {"sync_every": h, "fragments": 3, "overlap_steps": 1},
         f"DiLoCo H={h}, the paper's outer step (lr 0.7, momentum 0.9)": {
             "sync_every": h, "outer_lr": PAPER_OUTER_STEP[0], "outer_momentum": PAPER_OUTER_STEP[1],
+        },
+        f"DiLoCo H={h} (defaults), the first {synchronous} steps synchronous": {
+            "sync_every": h, "synchronous_steps": synchronous,
         },
     }  # fmt: skip
 
@@ -59,15 +63,23 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=75)
     parser.add_argument("--out", default="diloco_learning.json")
     parser.add_argument("--cache", default="/tmp/lightscale_bench_diloco_corpus")
+    parser.add_argument("--synchronous-share", type=float, default=0.2, help="of the steps, in whole rounds")
     parser.add_argument("--resume", action="store_true", help="keep the runs --out holds, run the others")
+    parser.add_argument("--only", nargs="+", metavar="RUN", help="these runs (names as printed)")
+    parser.add_argument("--image", type=Path, default=IMAGE)
     args = parser.parse_args()
+    synchronous = round(args.synchronous_share * args.steps / args.sync_every) * args.sync_every
+    chosen = runs(args.sync_every, synchronous)
+    unknown = sorted(set(args.only or ()) - set(chosen))
+    if unknown:
+        parser.error(f"--only: no run named {unknown}; the runs are {sorted(chosen)}")
     texts = library_sources()
     tokenize_to_memmap(texts, Path(args.cache), ByteTokenizer())  # once, before the ranks start
     settings = {**recipe_settings(), "val_batches": 8, "text_files": texts}
     out = Path(args.out)
     results: dict[str, dict[str, Any]] = json.loads(out.read_text()) if args.resume and out.exists() else {}
-    for name, strategy in runs(args.sync_every).items():
-        if name in results:  # --resume: finished before
+    for name, strategy in chosen.items():
+        if name in results or (args.only and name not in args.only):  # --resume: finished before
             continue
         start = time.perf_counter()
         results[name] = run_distributed(
@@ -82,7 +94,7 @@ def main() -> None:
         loss = result["curve"][-1][1]
         gap = 100 * (loss / ddp["curve"][-1][1] - 1)
         print(f"{name:<48} {loss:>14.4f} {gap:>+7.1f}% {result['bytes'] / ddp['bytes']:>12.4f}")
-    plot(results, IMAGE, f"small GPT (10.8M), 4 workers x 1 rank, {args.steps} steps")
+    plot(results, args.image, f"small GPT (10.8M), 4 workers x 1 rank, {args.steps} steps")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from lightscale.parallel.diloco import (
     OuterSync,
     Schedule,
     check_outer_settings,
+    check_synchronous_steps,
     default_outer_step,
     sgd_outer_optimizer,
 )
@@ -82,6 +83,9 @@ class DiLoCoStrategy(LightscaleStrategy):
             ``overlap_steps`` inner steps.
         compression: the outer wire, ``"none"``, ``"bf16"`` or ``"int8"`` (diloco mode only).
         mode: ``"diloco"`` (outer optimizer on the mean pseudo-gradient) or ``"local_sgd"`` (mean of parameters).
+        synchronous_steps: optimizer steps at the start run as synchronous data parallelism over every rank (each
+            step's gradients averaged over the workers); the workers part after them. Early training is where
+            training alone costs most (docs/benchmarks.md); the bytes of those steps are DDP's.
         activation_checkpointing, compile, meta_init: as for ``fsdp2``, applied inside each worker by the one
             parallelize path (lightscale/parallel/parallelize.py), whichever the inner strategy.
         fault_tolerant: ``True`` or a :class:`~lightscale.parallel.diloco.FaultTolerance`: this launch is *one*
@@ -119,6 +123,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         overlap_steps: int = 0,
         compression: str = "none",
         mode: str = "diloco",
+        synchronous_steps: int = 0,
         activation_checkpointing: ACMode = "none",
         compile: bool = False,
         meta_init: bool = True,
@@ -140,8 +145,10 @@ class DiLoCoStrategy(LightscaleStrategy):
             )
         self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
+        check_synchronous_steps(synchronous_steps, fault_tolerant=self.fault_tolerance is not None)
         check_outer_settings(mode, compression)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
+        self.synchronous_steps = synchronous_steps
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
         self._rng_state: dict[str, torch.Tensor] | None = None
@@ -276,7 +283,7 @@ class DiLoCoStrategy(LightscaleStrategy):
             module.named_parameters(), sync_every=self.schedule.sync_every,
             group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode, outer_optimizer=outer_optimizer,
             fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
-            compression=self.compression, broadcast_start=False,
+            compression=self.compression, broadcast_start=False, synchronous_steps=self.synchronous_steps,
         )  # fmt: skip
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -316,7 +323,10 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning calls this once per optimizer step (after accumulation): the outer step follows the inner one."""
+        """Lightning calls this once per optimizer step (after accumulation): the outer step follows the inner one.
+        A synchronous step averages the gradients over the workers inside the closure, before clipping sees them."""
+        if self.outer is not None and self.outer.synchronous:
+            closure = _averaging_gradients(closure, self.outer)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
@@ -440,6 +450,15 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.ft = None
         self.outer = None
         super().teardown()
+
+
+def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
+    def closure_then_average() -> Any:
+        result = closure()
+        outer.average_gradients()
+        return result
+
+    return closure_then_average
 
 
 def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_momentum: float) -> None:

@@ -76,6 +76,19 @@ class AverageEvery(pl.Callback):
                     param /= dist.get_world_size()
 
 
+class AverageGradientsFirst(pl.Callback):
+    """Hand-written synchronous start: all-reduce the gradients of the first ``steps`` optimizer steps."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: Any, optimizer: Any) -> None:
+        if trainer.global_step < self.steps:
+            for param in module.parameters():
+                dist.all_reduce(param.grad)
+                param.grad /= dist.get_world_size()
+
+
 class GlobalsAtEnd(pl.Callback):
     """The strategy's fp32 global parameters when training stops (what a checkpoint saved then holds)."""
 
@@ -128,20 +141,45 @@ def test_h1_equals_data_parallel_and_local_sgd_equals_averaging() -> None:
     assert out["local_moved"] > 1e-3 and out["local_vs_hand"] <= 1e-6
 
 
-def _bytes(compression: str, accumulate: int) -> tuple[list[dict[str, int]], int]:
+def _synchronous_start() -> dict[str, Any]:
+    out: dict[str, Any] = {"ddp": _fit(BucketedDDPStrategy())[0]}
+    for name, workers, inner in (("4x1", 4, "bucketed_ddp"), ("2x2", 2, "bucketed_ddp"), ("2x2_fsdp2", 2, "fsdp2")):
+        out[name] = _fit(DiLoCoStrategy(workers=workers, inner=inner, sync_every=2, synchronous_steps=STEPS))[0]
+    _, local = _fit(DiLoCoStrategy(workers=4, sync_every=2, mode="local_sgd", synchronous_steps=2))
+    hand_callbacks = (AverageGradientsFirst(2), AverageEvery(2))
+    _, hand = _fit(DiLoCoStrategy(workers=4, sync_every=1000, mode="local_sgd"), callbacks=hand_callbacks)
+    out["local_vs_hand"] = _max_difference(local, hand)
+    _, unsynchronized = _fit(DiLoCoStrategy(workers=4, sync_every=2, mode="local_sgd"))
+    out["local_vs_unsynchronized"] = _max_difference(local, unsynchronized)
+    return out
+
+
+def test_synchronous_steps_are_data_parallel_then_the_workers_part() -> None:
+    out = run_distributed(_synchronous_start, world_size=4, timeout_s=300)[0]
+    for name in ("4x1", "2x2", "2x2_fsdp2"):  # H=2 with the default outer step: synchronous all the way
+        assert max(abs(a - b) for a, b in zip(out[name], out["ddp"], strict=True)) <= 1e-6, name
+    assert out["local_vs_hand"] <= 1e-6  # synchronous for 2 steps, then averaged every 2: as written by hand
+    assert out["local_vs_unsynchronized"] > 1e-4  # the synchronous start changed the run
+
+
+def _bytes(compression: str, accumulate: int, synchronous_steps: int = 0) -> tuple[list[dict[str, int]], int]:
     monitor = CommMonitor(every_n_steps=1, min_bytes=9)  # Lightning's own reductions are scalars
-    strategy = DiLoCoStrategy(workers=2, sync_every=3, compression=compression)
+    strategy = DiLoCoStrategy(workers=2, sync_every=3, compression=compression, synchronous_steps=synchronous_steps)
     _, module = _fit(strategy, callbacks=(monitor,), accumulate_grad_batches=accumulate)
     per_step = [{kind: t.bytes for kind, t in step.items()} for step in monitor.records]
     return per_step, sum(p.numel() for p in module.parameters())
 
 
 def _all_bytes() -> dict[str, Any]:
-    return {(c, a): _bytes(c, a) for c, a in (("none", 1), ("none", 2), ("int8", 1), ("bf16", 1))}
+    out = {(c, a): _bytes(c, a) for c, a in (("none", 1), ("none", 2), ("int8", 1), ("bf16", 1))}
+    out["synchronous"] = _bytes("none", 1, synchronous_steps=3)
+    return out
 
 
 def test_bytes_per_step_are_psi_over_h() -> None:
     out = run_distributed(_all_bytes, world_size=2, timeout_s=300)[0]
+    per_step, numel = out.pop("synchronous")  # each synchronous step sends the gradients (Psi), then Psi / H
+    assert [step.get("all_reduce", 0) for step in per_step] == [4 * numel] * 3 + [0, 0, 4 * numel]
     for (compression, _), (per_step, numel) in out.items():
         assert len(per_step) == STEPS
         payload = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel + 4 * 4}[compression]  # 4 tensors' scales

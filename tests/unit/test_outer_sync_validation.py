@@ -12,6 +12,7 @@ from torch import nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.diloco import Codec, OuterSync, split_fragments
+from lightscale.parallel.diloco.outer_sync import _buckets
 
 
 @pytest.fixture
@@ -66,6 +67,38 @@ def test_state_from_other_settings(world_of_one: None) -> None:
     state = _sync(fragments=2).state_dict()
     with pytest.raises(ConfigurationError, match="fragments: saved 2, now 1"):
         _sync().load_state_dict(state)
+
+
+def test_a_run_that_parted_cannot_turn_synchronous(world_of_one: None) -> None:
+    parted = _sync().state_dict()
+    with pytest.raises(ConfigurationError, match="synchronous_steps: saved None, now 8"):
+        _sync(synchronous_steps=8).load_state_dict(parted)
+    _sync().load_state_dict(_sync(synchronous_steps=8).state_dict())  # ending the synchronous start early is fine
+
+
+def test_synchronous_steps_keep_the_global_model_and_send_nothing(world_of_one: None) -> None:
+    model = _model()
+    sync = OuterSync(model.named_parameters(), sync_every=2, synchronous_steps=4)
+    psi_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for step in range(1, 6):
+        assert sync.synchronous == (step <= 4)
+        with torch.no_grad():
+            model[0].weight += 1.0
+        sync.after_inner_step(step)
+        global_weight = dict(sync.named_globals())["0.weight"]
+        if step <= 4:  # the global model follows the (identical) workers
+            torch.testing.assert_close(global_weight, model[0].weight.detach())
+            assert sync.bytes_sent == 0
+    torch.testing.assert_close(global_weight + 1.0, model[0].weight.detach())  # step 5: the workers parted
+    sync.after_inner_step(6)  # the first round, two steps after the synchronous start
+    assert sync.bytes_sent == psi_bytes
+
+
+def test_gradient_buckets_keep_order_dtype_and_cap() -> None:
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(100), torch.zeros(1)]
+    buckets = _buckets(tensors, cap_bytes=32)
+    assert [[t.numel() for t in bucket] for bucket in buckets] == [[4, 4], [4], [100], [1]]
+    assert [t for bucket in buckets for t in bucket] == tensors
 
 
 def test_world_of_one_lr_one_keeps_the_local_parameters(world_of_one: None) -> None:

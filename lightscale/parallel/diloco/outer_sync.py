@@ -7,7 +7,9 @@ each worker (with plain DDP inside a worker, all ranks of the same position; wit
 ``mode="diloco"``: the pseudo-gradient ``global - local`` is averaged over the workers and an outer optimizer
 (default: SGD with Nesterov momentum, lr and momentum by ``H`` from :func:`default_outer_step`) steps an fp32 copy
 of the global parameters, which every worker then continues from. ``mode="local_sgd"``: the parameters themselves
-are averaged.
+are averaged. With ``synchronous_steps=W`` the first ``W`` inner steps are plain data parallelism instead (the
+caller averages every step's gradients with :meth:`OuterSync.average_gradients`; post-local SGD, Lin et al. 2020):
+the workers stay identical, and the rounds start from where synchronous training got to.
 
 Example (each rank of a 2-worker gloo job, one rank per worker):
     >>> sync = OuterSync(model.named_parameters(), sync_every=4)
@@ -42,6 +44,7 @@ Reducer = Callable[[Tensor], "Tensor | None"]  # this worker's flat fp32 payload
 # 0.7 / 0.9 (tuned for H=500 over hundreds of rounds) did not at any H swept. Above the sweep the paper's stand.
 OUTER_STEP_BY_H: tuple[tuple[int, float, float], ...] = ((50, 0.7, 0.5), (100, 1.0, 0.5))
 PAPER_OUTER_STEP = (0.7, 0.9)  # Douillard et al. 2023, H=500
+GRADIENT_BUCKET_BYTES = 64 << 20  # synchronous steps: the extra memory a bucket's flat copy takes at most
 
 
 def default_outer_step(sync_every: int) -> tuple[float, float]:
@@ -107,6 +110,9 @@ class OuterSync:
             to the global ones. Needs ``compression="none"`` and ``overlap_steps=0``; whoever supplies it also
             syncs the start (``broadcast_start`` is ignored). :mod:`.fault_tolerant` passes one that goes through
             torchft, so that the mean is over the workers alive in that round.
+        synchronous_steps: inner steps at the start whose gradients the caller averages over ``group`` with
+            :meth:`average_gradients` (synchronous data parallelism); the rounds start after them. Not with
+            ``reduce``: synchronous steps need every worker in one job.
     """
 
     def __init__(
@@ -122,15 +128,16 @@ class OuterSync:
         compression: Compression = "none",
         broadcast_start: bool = True,
         reduce: Reducer | None = None,
+        synchronous_steps: int = 0,
     ) -> None:
         named = list(named_parameters)
         _validate(named, mode, compression, outer_optimizer)
-        _validate_reduce(reduce, compression, overlap_steps)
+        _validate_reduce(reduce, compression, overlap_steps, synchronous_steps)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         self.group, self.mode, self.compression = group, mode, compression
-        self.reduce = reduce
+        self.reduce, self.synchronous_steps = reduce, synchronous_steps
         self.world = 1 if reduce is not None else dist.get_world_size(group)
         if broadcast_start and reduce is None:
             self._broadcast_start()
@@ -158,6 +165,27 @@ class OuterSync:
         by_index = {i: g for f in self.fragments for i, g in zip(f.indices, f.globals, strict=True)}
         return [(self.names[i], by_index[i]) for i in range(len(self.params))]
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether the next inner step is one of the synchronous first steps (average its gradients)."""
+        return self.step < self.synchronous_steps
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Average this rank's gradients over the workers (call between backward and the inner step), in flat
+        buckets of one dtype. A gradient missing here becomes zeros, so that every worker takes the same step."""
+        grads = []
+        for param in (p for p in self.params if p.requires_grad):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+        for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+            flat = torch.cat([grad.reshape(-1) for grad in bucket])
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.world
+            for grad, value in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
+                grad.copy_(value.view_as(grad))
+
     @torch.no_grad()
     def _broadcast_start(self) -> None:
         for index in range(len(self.params)):
@@ -172,6 +200,11 @@ class OuterSync:
                 f"optimizer step, with consecutive step numbers starting at 1 (or load_state_dict first)."
             )
         self.step = step
+        if step <= self.synchronous_steps:  # every worker took the same step: the global model is theirs
+            for fragment in self.fragments:
+                for i, tensor in zip(fragment.indices, fragment.globals, strict=True):
+                    tensor.copy_(self.local(i))
+            return
         for pending in [p for p in self._pending if p.apply_at == step]:
             self._apply(pending)
         for index in self.schedule.sends_at(step):
@@ -284,8 +317,11 @@ class OuterSync:
 
     def _settings(self) -> dict[str, Any]:
         schedule = self.schedule
-        return dict(mode=self.mode, compression=self.compression, sync_every=schedule.sync_every,
-                    fragments=schedule.fragments, overlap_steps=schedule.overlap_steps)  # fmt: skip
+        settings = dict(mode=self.mode, compression=self.compression, sync_every=schedule.sync_every,
+                        fragments=schedule.fragments, overlap_steps=schedule.overlap_steps)  # fmt: skip
+        # Only when set, so that states saved before the setting existed still load; a run saved without it
+        # cannot turn synchronous later (its workers have already parted).
+        return settings | ({"synchronous_steps": self.synchronous_steps} if self.synchronous_steps else {})
 
 
 def _validate(
@@ -312,12 +348,39 @@ def check_outer_settings(mode: str, compression: str) -> None:
         )
 
 
-def _validate_reduce(reduce: Reducer | None, compression: str, overlap_steps: int) -> None:
+def check_synchronous_steps(synchronous_steps: int, *, fault_tolerant: bool) -> None:
+    """Refuse a negative or non-integer count, and synchronous steps between fault-tolerant workers."""
+    if isinstance(synchronous_steps, bool) or not isinstance(synchronous_steps, int) or synchronous_steps < 0:
+        raise ConfigurationError(f"synchronous_steps={synchronous_steps!r} is not valid; it must be an integer >= 0.")
+    if fault_tolerant and synchronous_steps:
+        raise ConfigurationError(
+            f"synchronous_steps={synchronous_steps} needs every worker in one job, averaging every step's gradients; "
+            f"fault-tolerant workers are separate jobs. Use synchronous_steps=0 with fault tolerance."
+        )
+
+
+def _validate_reduce(reduce: Reducer | None, compression: str, overlap_steps: int, synchronous_steps: int) -> None:
+    check_synchronous_steps(synchronous_steps, fault_tolerant=reduce is not None)
     if reduce is not None and (compression != "none" or overlap_steps != 0):
         raise ConfigurationError(
             f"A custom reduce (fault-tolerant DiLoCo) averages fp32 payloads at once; it needs compression='none' "
             f"and overlap_steps=0, not compression={compression!r}, overlap_steps={overlap_steps}."
         )
+
+
+def _buckets(tensors: list[Tensor], cap_bytes: int) -> list[list[Tensor]]:
+    """Consecutive tensors of one dtype and device, each group up to ``cap_bytes`` (a larger tensor goes alone)."""
+    buckets: list[list[Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = buckets[-1][-1] if buckets else None
+        if last is None or (last.dtype, last.device) != (tensor.dtype, tensor.device) or size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
 
 
 def _build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> torch.optim.Optimizer:
