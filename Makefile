@@ -42,7 +42,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
 
-# About two hours on 2 CPU cores, outside `make bench`: DiLoCo's outer lr x momentum x H (the tiny GPT) against DDP
+# About three and a half hours on 2 CPU cores, outside `make bench`: DiLoCo's outer lr x momentum x H (the tiny GPT) against DDP
 # and local SGD, then the learning figure of the small GPT at H=30 (docs/benchmarks.md, "DiLoCo").
 bench-diloco: $(STAMP)
 	mkdir -p runs

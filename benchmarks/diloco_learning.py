@@ -7,8 +7,8 @@ DDP (``bucketed_ddp``) against local SGD, DiLoCo and streaming DiLoCo with their
 paper's outer step, and DiLoCo with its defaults after a synchronous start of ``--synchronous-share`` of the steps,
 all at ``--sync-every``:
 validation loss of the global model every ``--val-every`` steps, bytes each rank handed to collectives ÷ DDP's.
-Writes the curves to docs/images/diloco_small_gpt.png and ``--out`` (JSON, after every run). About an hour on
-2 CPU cores (``make bench-diloco`` runs it after the sweep).
+Writes the curves to ``--image`` (docs/images/diloco_small_gpt.png) and ``--out`` (JSON, after every run). About
+two hours on 2 CPU cores (``make bench-diloco`` runs it after the sweep).
 
     python benchmarks/diloco_learning.py [--steps 750] [--sync-every 30] [--val-every 75] [--resume] [--only RUN ...]
 """
@@ -52,6 +52,9 @@ def runs(sync_every: int, synchronous: int) -> dict[str, dict[str, Any] | None]:
         },
         f"DiLoCo H={h} (defaults), the first {synchronous} steps synchronous": {
             "sync_every": h, "synchronous_steps": synchronous,
+        },
+        f"streaming DiLoCo H={h} (3 fragments, overlap 1), the first {synchronous} steps synchronous": {
+            "sync_every": h, "fragments": 3, "overlap_steps": 1, "synchronous_steps": synchronous,
         },
     }  # fmt: skip
 

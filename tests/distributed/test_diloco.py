@@ -191,9 +191,10 @@ def test_bytes_per_step_are_psi_over_h() -> None:
         assert sum(sent) / STEPS / factor == payload / 3  # Psi / H (x the compression ratio) per step
 
 
-def _resume(tmp: str, inner: str) -> dict[str, Any]:
+def _resume(tmp: str, inner: str, synchronous_steps: int) -> dict[str, Any]:
     def strategy() -> DiLoCoStrategy:
-        return DiLoCoStrategy(workers=2, inner=inner, sync_every=4, fragments=2, overlap_steps=1, compression="int8")
+        return DiLoCoStrategy(workers=2, inner=inner, sync_every=4, fragments=2, overlap_steps=1, compression="int8",
+                              synchronous_steps=synchronous_steps)  # fmt: skip
 
     steps, whole = _fit(strategy(), steps=8)
     ckpt = str(Path(tmp) / "mid.ckpt")
@@ -211,9 +212,15 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
 
 
-@pytest.mark.parametrize("inner", ["bucketed_ddp", "fsdp2"])
-def test_resume_is_bitwise_and_export_gives_the_global_model(tmp_path: Path, inner: str) -> None:
-    results = run_distributed(_resume, str(tmp_path), inner, world_size=4, timeout_s=300)
+@pytest.mark.parametrize(
+    ("inner", "synchronous_steps"),
+    [("bucketed_ddp", 0), ("fsdp2", 0), ("bucketed_ddp", 6)],
+    ids=["bucketed_ddp", "fsdp2", "saved_while_synchronous"],  # saved at step 5 of 6 synchronous ones
+)
+def test_resume_is_bitwise_and_export_gives_the_global_model(
+    tmp_path: Path, inner: str, synchronous_steps: int
+) -> None:
+    results = run_distributed(_resume, str(tmp_path), inner, synchronous_steps, world_size=4, timeout_s=300)
     for out in results:
         assert out["steps"] == out["resumed"]
         assert all(torch.equal(a, b) for a, b in zip(out["whole"], out["part"], strict=True))
