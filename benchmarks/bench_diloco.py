@@ -1,7 +1,7 @@
 """DiLoCo's learning figure on CPU: the tiny GPT on 4 workers x 1 rank, the same tokens under every method.
 
 Synchronous DDP (``bucketed_ddp``) against local SGD, DiLoCo (its default outer step and the paper's) and streaming
-DiLoCo at H = 30, DiLoCo at H = 100, and DiLoCo at H = 30 after 150 synchronous steps:
+DiLoCo at H = 30, DiLoCo at H = 100, and DiLoCo and streaming DiLoCo at H = 30 after 150 synchronous steps:
 the validation loss of the global model every ``--val-every`` steps, its last value, and the bytes each rank handed
 to collectives in training steps (CommMonitor's count) divided by DDP's. Writes docs/images/diloco_curves.png.
 
@@ -37,6 +37,12 @@ RUNS: dict[str, dict[str, Any] | None] = {
     "streaming DiLoCo H=30 (3 fragments, overlap 1)": {"sync_every": 30, "fragments": 3, "overlap_steps": 1},
     "DiLoCo H=100": {"sync_every": 100},
     "DiLoCo H=30, the first 150 steps synchronous": {"sync_every": 30, "synchronous_steps": 150},
+    "streaming DiLoCo H=30, the first 150 steps synchronous": {
+        "sync_every": 30,
+        "fragments": 3,
+        "overlap_steps": 1,
+        "synchronous_steps": 150,
+    },
 }
 IMAGE = Path(__file__).resolve().parents[1] / "docs" / "images" / "diloco_curves.png"
 RECIPE = Path(__file__).resolve().parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / "small_ddp.yaml"
