@@ -48,6 +48,11 @@ IMAGE = Path(__file__).resolve().parents[1] / "docs" / "images" / "diloco_curves
 RECIPE = Path(__file__).resolve().parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / "small_ddp.yaml"
 
 
+def synchronous_steps_for(share: float, steps: int, sync_every: int) -> int:
+    """``share`` of a run's ``steps`` in whole rounds of ``sync_every``: how long a synchronous start runs."""
+    return round(share * steps / sync_every) * sync_every
+
+
 def recipe_settings() -> dict[str, Any]:
     """The small GPT's model and data settings, read from the shipped recipe (one source of truth)."""
     recipe = yaml.safe_load(RECIPE.read_text())

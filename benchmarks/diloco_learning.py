@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_diloco import WORKERS, _train, plot, recipe_settings
+from bench_diloco import WORKERS, _train, plot, recipe_settings, synchronous_steps_for
 
 from lightscale.parallel.diloco.outer_sync import PAPER_OUTER_STEP
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="RUN", help="these runs (names as printed)")
     parser.add_argument("--image", type=Path, default=IMAGE)
     args = parser.parse_args()
-    synchronous = round(args.synchronous_share * args.steps / args.sync_every) * args.sync_every
+    synchronous = synchronous_steps_for(args.synchronous_share, args.steps, args.sync_every)
     chosen = runs(args.sync_every, synchronous)
     unknown = sorted(set(args.only or ()) - set(chosen))
     if unknown:
@@ -82,7 +82,7 @@ def main() -> None:
     out = Path(args.out)
     results: dict[str, dict[str, Any]] = json.loads(out.read_text()) if args.resume and out.exists() else {}
     for name, strategy in chosen.items():
-        if name in results or (args.only and name not in args.only):  # --resume: finished before
+        if name in results or (args.only and name not in args.only):  # finished before (--resume), or not asked
             continue
         start = time.perf_counter()
         results[name] = run_distributed(

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_diloco import CONFIG, WORKERS, _train, recipe_settings
+from bench_diloco import CONFIG, WORKERS, _train, recipe_settings, synchronous_steps_for
 
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
 from lightscale.testing import run_distributed
@@ -46,7 +46,7 @@ def grid(quick: bool, steps: int) -> dict[str, dict[str, Any] | None]:
                 continue
             runs[f"DiLoCo H={h} lr={lr} m={momentum}"] = {"sync_every": h, "outer_lr": lr, "outer_momentum": momentum}
     for h, share in itertools.product(hs, () if quick else SYNCHRONOUS_SHARES):
-        synchronous = round(share * steps / h) * h  # whole rounds after the synchronous start
+        synchronous = synchronous_steps_for(share, steps, h)
         runs[f"DiLoCo H={h} default, {synchronous} synchronous steps"] = {
             "sync_every": h, "synchronous_steps": synchronous,
         }  # fmt: skip

@@ -92,7 +92,7 @@ class BucketedGradReducer:
             broadcast_module_state(module, process_group=process_group)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         caps = (int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
-        self.buckets = _build_buckets(reversed(named), caps, _WIRE_DTYPES.get(compression))
+        self.buckets = _build_buckets(named[::-1], caps, _WIRE_DTYPES.get(compression))
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
@@ -246,21 +246,29 @@ def _move_grad_into(bucket: _Bucket, index: int, scale: float) -> None:
     param.grad = slot
 
 
-def _build_buckets(
-    named: Iterable[tuple[str, nn.Parameter]], caps: tuple[int, int], wire_dtype: torch.dtype | None
-) -> list[_Bucket]:
-    groups: list[list[tuple[str, nn.Parameter]]] = []
+def size_buckets(tensors: Iterable[Tensor], caps: tuple[int, int]) -> list[list[Tensor]]:
+    """Consecutive tensors of one dtype and device, grouped up to ``caps[0]`` bytes in the first bucket and
+    ``caps[1]`` in each later one (a larger tensor goes alone)."""
+    groups: list[list[Tensor]] = []
     size = 0
-    for name, param in named:
+    for tensor in tensors:
         cap = caps[0] if len(groups) <= 1 else caps[1]
-        nbytes = param.numel() * param.element_size()
-        same_kind = groups and _kind(groups[-1][0][1]) == _kind(param)
+        nbytes = tensor.numel() * tensor.element_size()
+        same_kind = groups and _kind(groups[-1][0]) == _kind(tensor)
         if not groups or not same_kind or (size + nbytes > cap and size > 0):
             groups.append([])
             size = 0
-        groups[-1].append((name, param))
+        groups[-1].append(tensor)
         size += nbytes
-    return [_make_bucket(group, wire_dtype) for group in groups]
+    return groups
+
+
+def _build_buckets(
+    named: list[tuple[str, nn.Parameter]], caps: tuple[int, int], wire_dtype: torch.dtype | None
+) -> list[_Bucket]:
+    names = {id(param): name for name, param in named}
+    groups = size_buckets([param for _, param in named], caps)
+    return [_make_bucket([(names[id(param)], param) for param in group], wire_dtype) for group in groups]
 
 
 def _wire_buffer(flat: Tensor, wire_dtype: torch.dtype) -> Tensor | None:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.data_parallel import size_buckets
 from lightscale.parallel.diloco import Codec, OuterSync, split_fragments
-from lightscale.parallel.diloco.outer_sync import _buckets
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_synchronous_steps_keep_the_global_model_and_send_nothing(world_of_one: 
 
 def test_gradient_buckets_keep_order_dtype_and_cap() -> None:
     tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(100), torch.zeros(1)]
-    buckets = _buckets(tensors, cap_bytes=32)
+    buckets = size_buckets(tensors, caps=(32, 32))
     assert [[t.numel() for t in bucket] for bucket in buckets] == [[4, 4], [4], [100], [1]]
     assert [t for bucket in buckets for t in bucket] == tensors
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.data_parallel import size_buckets
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
 from lightscale.parallel.diloco.wire import Codec, Compression, validate_compression
 
@@ -179,7 +180,7 @@ class OuterSync:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
-        for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+        for bucket in size_buckets(grads, (GRADIENT_BUCKET_BYTES, GRADIENT_BUCKET_BYTES)):
             flat = torch.cat([grad.reshape(-1) for grad in bucket])
             dist.all_reduce(flat, group=self.group)
             flat /= self.world
@@ -366,21 +367,6 @@ def _validate_reduce(reduce: Reducer | None, compression: str, overlap_steps: in
             f"A custom reduce (fault-tolerant DiLoCo) averages fp32 payloads at once; it needs compression='none' "
             f"and overlap_steps=0, not compression={compression!r}, overlap_steps={overlap_steps}."
         )
-
-
-def _buckets(tensors: list[Tensor], cap_bytes: int) -> list[list[Tensor]]:
-    """Consecutive tensors of one dtype and device, each group up to ``cap_bytes`` (a larger tensor goes alone)."""
-    buckets: list[list[Tensor]] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        last = buckets[-1][-1] if buckets else None
-        if last is None or (last.dtype, last.device) != (tensor.dtype, tensor.device) or size + nbytes > cap_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(tensor)
-        size += nbytes
-    return buckets
 
 
 def _build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> torch.optim.Optimizer:
