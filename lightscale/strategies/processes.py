@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies.failure import announce_failure, watch_for_failures
+from lightscale.strategies.failure import announce_failure, is_timeout, watch_for_failures
 from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
 
@@ -164,7 +164,7 @@ class ProcessStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
         where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
-        if "Timed out" in str(exception) or isinstance(exception, TimeoutError):
+        if is_timeout(exception):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
             if self._trace_prefix is not None:
