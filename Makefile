@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 LITDATA := litdata>=0.2.50,<0.3
 LITDATA_DEPS := lightning-utilities filelock boto3 requests tifffile obstore
 
-.PHONY: venv demo test bench bench-diloco soak lint format clean gpu-wheels gpu-check
+.PHONY: venv demo test compat bench bench-diloco soak lint format clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -38,6 +38,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests
+
+# The oldest and newest supported torch + Lightning (+ DeepSpeed), each in a venv cached under .compat/, through a
+# smoke subset (a fit per family, save/resume/load, the private-API pins); table in docs/compat.md. Not in CI:
+# ~3 GB of CUDA wheels per venv on first use and ~10 minutes per combination on 2 CPU cores.
+compat: $(STAMP)
+	$(BIN)/python tests/compat/run.py --report runs/compat.md
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
@@ -80,4 +86,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) runs lightning_logs
+	rm -rf $(VENV) runs lightning_logs .compat

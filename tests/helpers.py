@@ -16,9 +16,14 @@ TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 # Plain SGD sees a wrong gradient scale: a 2x gradient is a 2x step (AdamW would cancel it). The rate is large
 # enough that 2x moves the tiny GPT's losses by far more than the parity tolerance (test_parity.py measures it).
 SGD_LR = 0.25
+# Relative difference per step allowed between a strategy and one process, fp32 (measured ~1e-7 on gloo:
+# reassociation of the gradient sums); test_parity.py on gloo and tests/gpu on NCCL use the same bound.
+PARITY_TOLERANCE = 1e-5
 
 
-def quiet_trainer(strategy: Any, *, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
+def quiet_trainer(
+    strategy: Any, *, devices: int, max_steps: int, accelerator: str = "cpu", **kwargs: Any
+) -> pl.Trainer:
     """A lightscale Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
     quiet: dict[str, Any] = dict(
         logger=False,
@@ -29,7 +34,7 @@ def quiet_trainer(strategy: Any, *, devices: int, max_steps: int, **kwargs: Any)
         limit_val_batches=0,
     )
     return lightscale.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, **(quiet | kwargs)
+        strategy=strategy, accelerator=accelerator, devices=devices, max_steps=max_steps, **(quiet | kwargs)
     )
 
 

@@ -79,6 +79,9 @@ PRIVATE_APIS = [
 ]
 
 
+OPTIONAL = {"deepspeed", "torchao", "litdata"}  # extras of pyproject.toml, not dependencies
+
+
 def _resolve(module: str, path: str) -> object:
     value: object = importlib.import_module(module)
     for name in path.split("."):
@@ -88,6 +91,8 @@ def _resolve(module: str, path: str) -> object:
 
 @pytest.mark.parametrize(("module", "path", "used_for"), PRIVATE_APIS, ids=[f"{m}.{p}" for m, p, _ in PRIVATE_APIS])
 def test_private_api_exists(module: str, path: str, used_for: str) -> None:
+    if module.split(".")[0] in OPTIONAL:  # `make test`'s venv has every extra; a `make compat` venv may lack one
+        pytest.importorskip(module.split(".")[0])
     try:
         _resolve(module, path)
     except (ImportError, AttributeError) as error:
