@@ -175,17 +175,25 @@ def table(results: list[tuple[Combination, dict[str, str], dict[str, str], float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=[c.name for c in COMBINATIONS], help="one combination")
+    parser.add_argument("--torch", help="run this torch version instead (with --lightning): to move a bound")
+    parser.add_argument("--lightning", default=COMBINATIONS[0].lightning, help="Lightning version for --torch")
+    parser.add_argument("--build-only", action="store_true", help="build (or refresh) the venvs, run nothing")
     parser.add_argument("--venvs", type=Path, default=ROOT / ".compat", help="where the venvs are cached")
     parser.add_argument("--report", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
     results = []
-    for combo in COMBINATIONS:
-        if args.only not in (None, combo.name):
-            continue
+    combos = [c for c in COMBINATIONS if args.only in (None, c.name)]
+    if args.torch is not None:
+        combos = [Combination("candidate", torch=args.torch, lightning=args.lightning)]
+    for combo in combos:
         start = time.monotonic()
         venv, versions = build(combo, args.venvs.resolve())
+        if args.build_only:
+            continue
         rows = smoke(venv, args.venvs.resolve() / f"{combo.folder}.junit.xml")
         results.append((combo, versions, rows, time.monotonic() - start))
+    if args.build_only:
+        return
     text = table(results)
     print(text)
     if args.report is not None:
