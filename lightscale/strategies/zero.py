@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import nn
 from typing_extensions import override
 
 from lightscale.checkpoint.portable import AVERAGED, lightning_rest, with_average, write_checkpoint
@@ -58,6 +59,7 @@ from lightscale.zero.engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
+from lightscale.zero.partition import is_partitioned, partition, regather_persistent
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
@@ -107,6 +109,15 @@ class ZeroStrategy(LightscaleStrategy):
         Plannable("zero1", "2Ψ", "optimizer state sharded"),
         Plannable("zero2", "2Ψ", "+ gradients sharded"),
     )
+
+    @override
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A ZeRO-3 parameter's piece is its partition, persistent or not (lightscale/zero/partition.py)."""
+        return partition(tensor) if is_partitioned(tensor) else super().local_shard(tensor)
+
+    @override
+    def after_local_write(self, module: nn.Module) -> None:
+        regather_persistent(list(module.parameters()))
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
