@@ -86,7 +86,9 @@ def announce_failure(rank: int, error: BaseException, *, where: str = "", grace_
     first_line = (str(error).splitlines() or [""])[0]  # a DataLoader worker's error carries a whole traceback
     message = f"rank {rank} raised {type(error).__name__}: {first_line}"[:_MAX_MESSAGE]
     message += f" [{where}]" if where else ""
-    if not isinstance(error, KeyboardInterrupt):  # Ctrl+C reaches every rank: no rank's stack is the cause
+    # Only where a watcher runs (peers exist, the hook that skips Python's own report is in place); Ctrl+C reaches
+    # every rank: no rank's stack is the cause.
+    if os.getpid() in _watching and not isinstance(error, KeyboardInterrupt):
         # Printed now, not at exit: a peer that ends may take this rank with it (PDEATHSIG, torchrun's SIGTERM).
         sys.stderr.write(rank_traceback(rank, error) + f"lightscale: {message}\n")
         sys.stderr.flush()
