@@ -39,9 +39,9 @@ class Combination:
         return f"torch{self.torch}-lightning{self.lightning}"
 
 
-# The bounds of pyproject.toml: torch>=2.8,<2.15 and lightning>=2.6,<2.7 (DeepSpeed: the newest <0.20 that builds).
+# The bounds of pyproject.toml: torch>=2.10,<2.15 and lightning>=2.6,<2.7 (DeepSpeed: the newest <0.20 that builds).
 COMBINATIONS = [
-    Combination("oldest", torch="2.8.0", lightning="2.6.0"),
+    Combination("oldest", torch="2.10.0", lightning="2.6.0"),
     Combination("newest", torch="2.14.1", lightning="2.6.6"),
 ]
 DEEPSPEED = "deepspeed>=0.16,<0.20"
