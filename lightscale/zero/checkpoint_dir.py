@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightscale.errors import ConfigurationError
 from lightscale.patches.deepspeed import skip_bit16_refresh, zero_to_fp32_loading_with
+from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.safe_io import checkpoint_safe_globals, load_with_package_classes
 from lightscale.storage.shape_check import check_shapes
@@ -86,11 +87,6 @@ def consolidate_zero_checkpoint(checkpoint: str | os.PathLike, *, prefix: str = 
     return {key[len(prefix) :]: value.contiguous() for key, value in state.items() if key.startswith(prefix)}
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -99,12 +95,12 @@ def save_engine_directory(engine: Any, target: Path, client_state: dict[str, Any
     """Collectively save ``engine`` as DeepSpeed's directory ``target``: written beside it, then swapped in."""
     if _is_rank_zero():
         start_staging(target)
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
-    _barrier()
+    barrier()
     if _is_rank_zero():
         publish(staging_path(target), target)
-    _barrier()
+    barrier()
 
 
 def load_engine_directory(engine: Any, path: Path, *, fitting: bool) -> dict[str, Any]:
