@@ -102,6 +102,12 @@ class LightscaleStrategy(CheckpointingStrategy):
             f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
         )
 
+    @classmethod
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner. Built
+        and asked here; a class whose construction needs its engine answers from the parameters alone (ZeRO)."""
+        return cls(**init_params).memory_layout(world_size)
+
     def __init__(
         self,
         *,

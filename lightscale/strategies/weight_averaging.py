@@ -29,7 +29,6 @@ Example (an EMA a user writes on the hooks, under any strategy)::
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +44,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
 from lightscale.checkpoint.portable import read_checkpoint
+from lightscale.patches.lightning import give_weight_averaging, weight_averaging_settings
 from lightscale.runtime.collectives import all_gather_single
 from lightscale.zero.partition import full_numel, full_shape, is_partitioned
 
@@ -209,17 +209,23 @@ def adopt_weight_averaging(trainer: Trainer, module: LightningModule) -> None:
     its shards only.
     """
     for callback in weight_averaging_callbacks(trainer):
-        if callback._average_model is None:
+        settings = weight_averaging_settings(callback)
+        if settings is None:
             continue
-        callback._average_model = ShardAverage(
-            module, trainer.strategy, use_buffers=callback._use_buffers, **callback._kwargs
+        use_buffers, kwargs = settings
+        average = ShardAverage(module, trainer.strategy, use_buffers=use_buffers, **kwargs)
+        # Lightning's four methods zip ``pl_module.parameters()`` (sharded placeholders) with the average; these zip
+        # the local shards instead. See the module docstring and lightscale/patches/lightning.py.
+        give_weight_averaging(
+            callback,
+            average,
+            {
+                "_swap_models": _swap_models,
+                "_copy_average_to_current": _copy_average_to_current,
+                "on_save_checkpoint": _on_save_checkpoint,
+                "on_load_checkpoint": _on_load_checkpoint,
+            },
         )
-        # Instance attributes shadow the class's methods: Lightning's versions zip ``pl_module.parameters()`` (sharded
-        # placeholders) with the average; these zip the local shards instead. See the module docstring.
-        callback._swap_models = types.MethodType(_swap_models, callback)
-        callback._copy_average_to_current = types.MethodType(_copy_average_to_current, callback)
-        callback.on_save_checkpoint = types.MethodType(_on_save_checkpoint, callback)
-        callback.on_load_checkpoint = types.MethodType(_on_load_checkpoint, callback)
 
 
 def _swap_models(self: WeightAveraging, pl_module: LightningModule) -> None:
