@@ -7,12 +7,12 @@ that key and, when another rank's error appears, prints it and ends this process
 own traceback, each line prefixed ``[rankK]: `` as torch's excepthook does, because a peer that ends (rank 0, under
 Lightning's launcher, takes every rank it started with it) may end this rank before Python would print it at exit.
 Only when the failure is a collective timeout does an ended rank print its threads' stacks: it may be the rank that
-stalled, and then that stack is the report; a rank ended by another rank's exception did nothing wrong. The failing
-rank waits (a few
-seconds at most) until every watcher has read the message, because the store may live in its own process: rank 0
-hosts it under Lightning's launcher, and a store that dies with rank 0 would take the message with it. Under
-torchrun's agent store (which outlives every rank) it does not wait: a peer killed outright never reads, and the
-wait would only delay the restart.
+stalled, and then that stack is the report; a rank ended by another rank's exception did nothing wrong.
+
+The failing rank waits (a few seconds at most) until every watcher has read the message, because the store may live
+in its own process: rank 0 hosts it under Lightning's launcher, and a store that dies with rank 0 would take the
+message with it. Under torchrun's agent store (which outlives every rank) it does not wait: a peer killed outright
+never reads, and the wait would only delay the restart.
 
 Example:
     >>> watch_for_failures(rank)          # once per process, after the process group exists
@@ -33,7 +33,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -108,11 +110,14 @@ def announce_failure(rank: int, error: BaseException, *, where: str = "", grace_
             time.sleep(0.05)
 
 
-def _excepthook(previous: object) -> object:
+_ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+
+def _excepthook(previous: _ExceptHook) -> _ExceptHook:
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         if _printed and error is _printed[0]:
             return  # announce_failure printed it, with the rank and the outer frames, before the peers ended
-        previous(kind, error, tb)  # type: ignore[operator]
+        previous(kind, error, tb)
 
     return hook
 

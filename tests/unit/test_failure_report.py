@@ -41,8 +41,8 @@ def test_the_excepthook_skips_only_the_error_already_printed() -> None:
     printed, other = ValueError("printed"), ValueError("other")
     failure._printed[:] = [printed]
     try:
-        hook(ValueError, printed, None)  # type: ignore[operator]
-        hook(ValueError, other, None)  # type: ignore[operator]
+        hook(ValueError, printed, None)
+        hook(ValueError, other, None)
     finally:
         failure._printed.clear()
     assert seen == [other]
