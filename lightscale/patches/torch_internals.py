@@ -24,7 +24,8 @@ PATCHES = [
         "a way to give PipelineStage its input/output metadata without a forward, or a flag telling modules so",
         signature=(
             "torch.distributed.pipelining.stage:PipelineStage._prepare_forward_infra",
-            ("self", "num_microbatches", "args", "kwargs", "has_backward"),
+            # torch 2.11 adds has_backward: the wrapper passes every argument through, so only these are relied on
+            ("self", "num_microbatches", "args", "kwargs"),
         ),
     ),
     Patch(
