@@ -36,6 +36,7 @@ from lightscale.checkpoint.diloco_state import (
 from lightscale.checkpoint.layout import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
+from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
@@ -108,8 +109,18 @@ class DiLoCoStrategy(LightscaleStrategy):
         "local_sgd": ("local SGD: workers average their parameters every H=100 steps", {"mode": "local_sgd"}),
     }
     plannable = ()
+    parameter_view = "whole"  # the default inner's; inner="fsdp2" steps DTensor shards (parameter_view_for)
     reads_single_files = False
     checkpoint_formats = ("dcp", "file")  # "file": the global model (inner="bucketed_ddp": whole on every rank)
+
+    @classmethod
+    @override
+    def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
+        return "dtensor" if init_params.get("inner") == "fsdp2" else "whole"
+
+    @override
+    def optimizer_parameter_view(self) -> ParameterView:
+        return self.parameter_view_for({"inner": self.inner})
 
     def __init__(
         self,

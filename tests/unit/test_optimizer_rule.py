@@ -1,0 +1,109 @@
+"""The shape-dependent optimizer rule (lightscale/optim/rule.py) under every strategy name with its defaults: each
+optimizer either runs with the same math as one process or is refused before the first step, with an error naming
+the optimizer, the strategy and the names where it runs exactly. The expected table is typed here, not derived.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+from lightscale.errors import ConfigurationError
+from lightscale.strategies.registry import strategy_table
+
+WHOLE = ["bucketed_ddp", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "diloco", "streaming_diloco", "local_sgd"]
+DTENSOR = ["fsdp2", "fsdp2_grad_op", "hsdp", "fsdp2_offload", "parallel_3d", "tp2", "pp2", "tp2_pp2"]
+DTENSOR += ["ep2", "ep2_pp2", "ep2_tp2", "cp2", "cp2_tp2"]
+FLAT = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity", "fit_memory"]
+
+
+class Shampoo(torch.optim.SGD):
+    """A user's own optimizer that says its step reads the parameter's shape."""
+
+    shape_dependent = True
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params),
+    "adafactor": lambda params: torch.optim.Adafactor(params),
+    "muon": lambda params: torch.optim.Muon(params),
+    "users": lambda params: Shampoo(params, lr=0.1),
+}
+# Where each optimizer runs exactly (every other name refuses it).
+EXACT = {
+    "sgd": WHOLE + DTENSOR + FLAT,
+    "adamw": WHOLE + DTENSOR + FLAT,
+    "adafactor": WHOLE,
+    "muon": WHOLE + DTENSOR,
+    "users": WHOLE,
+}
+CLASS_NAMES = {"adafactor": "torch.optim.Adafactor", "muon": "torch.optim.Muon", "users": "Shampoo"}
+
+
+def _strategy(name: str):
+    entry = StrategyRegistry[name]
+    return entry["strategy"](**entry["init_params"])
+
+
+def test_every_name_is_in_the_table() -> None:
+    assert sorted(name for name, _ in strategy_table()) == sorted(WHOLE + DTENSOR + FLAT)
+
+
+@pytest.mark.parametrize("name", WHOLE + DTENSOR + FLAT)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_exact_or_refused_by_name(name: str, optimizer: str) -> None:
+    strategy = _strategy(name)
+    built = OPTIMIZERS[optimizer]([nn.Parameter(torch.ones(4, 4))])
+    if name in EXACT[optimizer]:
+        strategy.check_optimizers([built])
+        return
+    with pytest.raises(ConfigurationError) as refused:
+        strategy.check_optimizers([built])
+    message = str(refused.value)
+    assert CLASS_NAMES[optimizer] in message and type(strategy).__name__ in message
+    assert sorted(message.split("runs exactly under: ")[1].split(". ")[0].split(", ")) == sorted(EXACT[optimizer])
+    assert "`shape_dependent = True`" in message  # the mechanism a user's own optimizer opts in with
+
+
+def test_a_subclass_of_adafactor_is_shape_dependent_too() -> None:
+    class MyAdafactor(torch.optim.Adafactor):
+        pass
+
+    with pytest.raises(ConfigurationError, match="MyAdafactor cannot run under FSDP2Strategy"):
+        _strategy("fsdp2").check_optimizers([MyAdafactor([nn.Parameter(torch.ones(2, 2))])])
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4, bias=False)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return Shampoo(self.parameters(), lr=0.1)
+
+
+@mock.patch.dict(os.environ)  # Lightning sets WORLD_SIZE, LOCAL_RANK...: the next test's Trainer must not see them
+def test_refused_by_fit_before_the_first_step() -> None:
+    """Through Lightning's setup (one CPU rank of fsdp2): no step runs, the weight is untouched."""
+    import lightscale
+
+    module = Tiny()
+    before = module.layer.weight.detach().clone()
+    trainer = lightscale.Trainer(
+        strategy="fsdp2", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match="Shampoo cannot run under FSDP2Strategy"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
+    assert trainer.global_step == 0 and torch.equal(module.layer.weight.full_tensor().detach(), before)
+    torch.distributed.destroy_process_group()  # the next test's Trainer starts from no process group
