@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
 from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
 from lightscale.parallel.data_shard import DataShard, publish_data_shard
@@ -228,6 +229,8 @@ class LightscaleStrategy(CheckpointingStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self.check_optimizers(self.optimizers)  # before the first step: exact as one process, or refused
+            view = self.optimizer_parameter_view()  # e.g. torch's Adafactor stepped on DTensor shards
+            self.optimizers = install_exact_optimizers(self.optimizers, self.lr_scheduler_configs, view)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -5,11 +5,9 @@ NVMe check.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import warnings
-import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,10 +15,10 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
 from lightscale.parallel.moe import moe_layers
 
 
@@ -94,33 +92,6 @@ def host_optimizer(optimizer: torch.optim.Optimizer, user_config: dict[str, Any]
         return cpu_adam_from(optimizer)
     rank_zero_info(f"lightscale: optimizer offload steps {name} with torch's own implementation on the host.")
     return optimizer
-
-
-def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
-    """Point a scheduler built on the user's optimizer at the one that really steps (the host optimizer under
-    offload), and track that optimizer's steps as torch's scheduler does at construction.
-
-    The user's ``configure_optimizers`` builds both before the strategy swaps the optimizer; without the tracking,
-    torch's first ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden after learning rate
-    scheduler initialization", although the order is right.
-
-    Example:
-        >>> rebind_scheduler(scheduler, cpu_adam_from(optimizer))
-    """
-    scheduler.optimizer = optimizer
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return  # the optimizer the scheduler was built on: tracked already
-    step = optimizer.step.__func__  # type: ignore[attr-defined]
-    owner = weakref.ref(optimizer)  # as torch does: no reference cycle through the instance attribute
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        opt = owner()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
 
 
 def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -40,7 +40,7 @@ OPTIMIZERS = {
 EXACT = {
     "sgd": WHOLE + DTENSOR + FLAT,
     "adamw": WHOLE + DTENSOR + FLAT,
-    "adafactor": WHOLE,
+    "adafactor": WHOLE + DTENSOR,
     "muon": WHOLE + DTENSOR,
     "users": WHOLE,
 }
@@ -107,3 +107,24 @@ def test_refused_by_fit_before_the_first_step() -> None:
         trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
     assert trainer.global_step == 0 and torch.equal(module.layer.weight.full_tensor().detach(), before)
     torch.distributed.destroy_process_group()  # the next test's Trainer starts from no process group
+
+
+def test_adafactor_installed_as_sharded_with_its_scheduler() -> None:
+    """On DTensor strategies torch's Adafactor is replaced by ShardedAdafactor (same groups, hyper-parameters and
+    state keys); a scheduler built on the user's optimizer follows the replacement without torch's warning."""
+    from lightscale.optim.adafactor import ShardedAdafactor
+    from lightscale.optim.install import install_exact_optimizers
+
+    params = [nn.Parameter(torch.ones(4, 4)), nn.Parameter(torch.ones(4))]
+    users = torch.optim.Adafactor([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}], weight_decay=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(users, step_size=1, gamma=0.5)
+    assert install_exact_optimizers([users], [scheduler], "whole") == [users]
+    (installed,) = install_exact_optimizers([users], [scheduler], "dtensor")
+    assert type(installed) is ShardedAdafactor and scheduler.optimizer is installed
+    assert [g["lr"] for g in installed.param_groups] == [0.1, 0.01] and installed.defaults == users.defaults
+    for p in params:
+        p.grad = torch.ones_like(p)
+    installed.step()
+    scheduler.step()
+    assert [g["lr"] for g in installed.param_groups] == [0.05, 0.005]
+    assert set(installed.state_dict()["state"][0]) == {"step", "row_var", "col_var"}
