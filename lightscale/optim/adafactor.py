@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 
 from lightscale.optim.shard_sums import ShardLayout, ShardSums, layout_of, like_layout, local
 
@@ -69,7 +68,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
         if not tensors:
             return
         eps1 = torch.finfo(tensors[0].param.dtype).eps if eps1 is None else eps1  # torch's: the first parameter's
-        lr, beta2_decay = _to_scalar(group["lr"]), group["beta2_decay"]
+        lr, beta2_decay = float(group["lr"]), group["beta2_decay"]  # a 1-element tensor lr too, as torch's
         steps = [_advance(t.state["step"]) for t in tensors]
         first, second, third = ShardSums(), ShardSums(), ShardSums()
         for t, step in zip(tensors, steps, strict=True):
@@ -110,7 +109,8 @@ class ShardedAdafactor(torch.optim.Adafactor):
 
 def _initial_state(param: torch.Tensor, layout: ShardLayout) -> dict[str, Any]:
     """torch's state (same keys and global shapes), each statistic placed like the parameter."""
-    state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # torch's step dtype
+    state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=scalar)}
     shard = local(param)
     if param.dim() > 1:
         for key, dim in (("row_var", -1), ("col_var", -2)):

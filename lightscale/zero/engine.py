@@ -18,8 +18,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import moe_layers
 from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
-from lightscale.parallel.moe import moe_layers
 
 
 def require_deepspeed() -> None:
