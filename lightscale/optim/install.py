@@ -17,6 +17,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightscale.optim.adafactor import sharded_adafactor_from
+from lightscale.optim.combined import CombinedOptimizer
 from lightscale.optim.rule import ParameterView
 
 
@@ -49,7 +50,11 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
 
 def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> torch.optim.Optimizer:
     """The optimizer that steps ``optimizer``'s math under ``view``: itself, or ShardedAdafactor for torch's
-    Adafactor on DTensor shards."""
+    Adafactor on DTensor shards (also as a part of a CombinedOptimizer, replaced in place)."""
+    if isinstance(optimizer, CombinedOptimizer):
+        optimizer.optimizers = [exact_optimizer(part, view) for part in optimizer.optimizers]
+        optimizer.sync_groups()
+        return optimizer
     if view == "dtensor" and type(optimizer) is torch.optim.Adafactor:
         return sharded_adafactor_from(optimizer)
     return optimizer
