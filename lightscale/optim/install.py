@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightscale.optim.adafactor import sharded_adafactor_from
 from lightscale.optim.combined import CombinedOptimizer
+from lightscale.optim.muon import sharded_muon_from
 from lightscale.optim.rule import ParameterView
 
 
@@ -49,14 +50,16 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
 
 
 def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> torch.optim.Optimizer:
-    """The optimizer that steps ``optimizer``'s math under ``view``: itself, or ShardedAdafactor for torch's
-    Adafactor on DTensor shards (also as a part of a CombinedOptimizer, replaced in place)."""
+    """The optimizer that steps ``optimizer``'s math under ``view``: itself, or on DTensor shards ShardedAdafactor for
+    torch's Adafactor and ShardedMuon for torch's Muon (also as parts of a CombinedOptimizer, replaced in place)."""
     if isinstance(optimizer, CombinedOptimizer):
         optimizer.optimizers = [exact_optimizer(part, view) for part in optimizer.optimizers]
         optimizer.sync_groups()
         return optimizer
     if view == "dtensor" and type(optimizer) is torch.optim.Adafactor:
         return sharded_adafactor_from(optimizer)
+    if view == "dtensor" and type(optimizer) is torch.optim.Muon:
+        return sharded_muon_from(optimizer)
     return optimizer
 
 

@@ -7,10 +7,11 @@ norms) and Muon (Newton-Schulz orthogonalization of each matrix). Such an optimi
 parameter as one process would. Each strategy class says how its optimizer sees parameters (``parameter_view``):
 
 * ``"whole"``: every rank steps whole parameters (bucketed_ddp, DiLoCo over bucketed_ddp): every optimizer is exact.
-* ``"dtensor"``: parameters are DTensors sharded across ranks (the FSDP2 family, parallel_3d): torch's Muon is exact
-  (DTensor computes its matrix products on the global matrix); torch's Adafactor is stepped by
-  :class:`~lightscale.optim.adafactor.ShardedAdafactor` (its statistics completed across the shards; torch's own step
-  fails on DTensor); a user's own shape-dependent optimizer is refused.
+* ``"dtensor"``: parameters are DTensors sharded across ranks (the FSDP2 family, parallel_3d): torch's Adafactor is
+  stepped by :class:`~lightscale.optim.adafactor.ShardedAdafactor` (its statistics completed across the shards; torch's
+  own step fails on DTensor), torch's Muon by :class:`~lightscale.optim.muon.ShardedMuon` (each matrix orthogonalized
+  whole, once, by an owner rank; torch's own runs on every rank through DTensor's sharded bf16 products, which round
+  differently); a user's own shape-dependent optimizer is refused.
 * ``"flat"``: DeepSpeed steps flat 1-D partitions (ZeRO): every shape-dependent optimizer is refused.
 
 A user's own optimizer says it is shape-dependent with a class attribute::
@@ -39,7 +40,7 @@ KNOWN: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.Adafactor: "second moments factored over the last two dimensions, updates scaled by whole-tensor norms",
     torch.optim.Muon: "Newton-Schulz orthogonalization of each 2-D matrix",
 }
-# The ones a "dtensor" strategy runs exactly: Muon through DTensor's global ops, Adafactor as ShardedAdafactor.
+# The ones a "dtensor" strategy runs exactly, as ShardedAdafactor and ShardedMuon (lightscale/optim/install.py).
 EXACT_ON_DTENSOR: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adafactor, torch.optim.Muon)
 ATTRIBUTE = "shape_dependent"
 
