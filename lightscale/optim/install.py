@@ -8,8 +8,6 @@ follow the one that really steps.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +18,12 @@ from lightscale.optim.adafactor import sharded_adafactor_from
 from lightscale.optim.combined import CombinedOptimizer
 from lightscale.optim.muon import sharded_muon_from
 from lightscale.optim.rule import ParameterView
+from lightscale.patches.torch_internals import track_optimizer_steps
 
 
 def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
     """Point a scheduler built on the user's optimizer at the one that really steps (the host optimizer under
-    offload), and track that optimizer's steps as torch's scheduler does at construction.
+    offload, a sharded stepper), and track that optimizer's steps as torch's scheduler does at construction.
 
     The user's ``configure_optimizers`` builds both before the strategy swaps the optimizer; without the tracking,
     torch's first ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden after learning rate
@@ -34,19 +33,7 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
         >>> rebind_scheduler(scheduler, cpu_adam_from(optimizer))
     """
     scheduler.optimizer = optimizer
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return  # the optimizer the scheduler was built on: tracked already
-    step = optimizer.step.__func__  # type: ignore[attr-defined]
-    owner = weakref.ref(optimizer)  # as torch does: no reference cycle through the instance attribute
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        opt = owner()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
+    track_optimizer_steps(optimizer)  # torch's own marking: lightscale/patches/torch_internals.py
 
 
 def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> torch.optim.Optimizer:

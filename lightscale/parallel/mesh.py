@@ -156,6 +156,14 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return shard
 
 
+def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that read different batches, flattened: ``dp_replicate x dp_shard x ep`` (expert-parallel ranks have
+    batches of their own; tp, cp and pp ranks share one). One rule for whatever spans the global batch: the
+    sampler's shards (:meth:`ParallelDims.data_rank`), the contrastive gather (parallel/contrastive.py)."""
+    axes = [axis for axis in ("dp_replicate", "dp_shard", "ep") if mesh[axis].size() > 1]
+    return _flattened(mesh, axes or ["dp_shard"])
+
+
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks holding the same expert-parallel experts: ``dp_shard``, times ``cp`` under context parallelism
     (cp ranks route their own tokens to the same experts)."""

@@ -6,7 +6,6 @@ NVMe check.
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +19,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
+from lightscale.patches.deepspeed import name_cpu_accelerator
 
 
 def require_deepspeed() -> None:
@@ -32,8 +32,7 @@ def require_deepspeed() -> None:
         )
     # lightscale runs DeepSpeed on CUDA or the CPU: without CUDA, name the CPU before DeepSpeed's first import, which
     # otherwise probes for other accelerators and warns "Setting accelerator to CPU" in every process.
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    name_cpu_accelerator()
 
 
 class EngineRoot(nn.Module):

@@ -16,6 +16,7 @@ FLOORS = {
     "lightscale.saved_tensors": 0,
     "lightscale.comm_counter": 0,
     "lightscale.moved": 0,
+    "lightscale.patches": 0,
     "lightscale.runtime": 1,
     "lightscale.storage": 1,
     "lightscale.layers": 1,
