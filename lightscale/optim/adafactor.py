@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightscale.optim.shard_sums import ShardLayout, ShardSums, layout_of, like_layout, local
+from lightscale.optim.shard_sums import ShardLayout, ShardSums, layout_of, like_layout, local, local_grad
 
 
 @dataclass
@@ -101,10 +101,10 @@ class ShardedAdafactor(torch.optim.Adafactor):
         layout, state = layout_of(param), self.state[param]
         if len(state) == 0:
             state.update(_initial_state(param, layout))
-        local_grad = local(grad)
-        local_grad = -local_grad if group["maximize"] else local_grad
+        shard = local_grad(param)
+        shard = -shard if group["maximize"] else shard
         local_param = local(param)
-        return _Tensor(local_param, local_grad, layout, state, local_param.float().square().sum().reshape(1))
+        return _Tensor(local_param, shard, layout, state, local_param.float().square().sum().reshape(1))
 
 
 def _initial_state(param: torch.Tensor, layout: ShardLayout) -> dict[str, Any]:

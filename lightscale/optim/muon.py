@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from lightscale.optim.shard_sums import ShardLayout, layout_of, like_layout, local
+from lightscale.optim.shard_sums import ShardLayout, layout_of, like_layout, local, local_grad
 
 
 class ShardedMuon(torch.optim.Muon):
@@ -58,9 +58,9 @@ class ShardedMuon(torch.optim.Muon):
         if torch.is_complex(param) or grad.is_sparse or grad.ndim != 2:
             raise ValueError("Muon steps real, dense 2-D matrices only (torch.optim.Muon's rule).")
         state = self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf, shard = local(state["momentum_buffer"]), local(grad)
+        if "momentum_buffer" not in state:  # placed like the parameter, whatever the gradient's placement
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        buf, shard = local(state["momentum_buffer"]), local_grad(param)
         buf.lerp_(shard, 1 - group["momentum"])
         update = shard.lerp(buf, group["momentum"]) if group["nesterov"] else buf
         return update.bfloat16()

@@ -62,6 +62,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``param``'s gradient, aligned with its shard of the parameter: a DTensor gradient placed
+    otherwise (tensor parallelism leaves some replicated) is redistributed to the parameter's placements first."""
+    grad = param.grad
+    assert grad is not None
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
+
+
 def like_layout(
     local_tensor: torch.Tensor, layout: ShardLayout, placements: tuple[Placement, ...], shape: torch.Size
 ) -> torch.Tensor:
