@@ -4,7 +4,8 @@
 One launch runs, on a small MLP whose first weight has an odd number of rows (uneven shards, 8 + 7):
     * fsdp2 for ``STEPS`` steps, saving at ``SAVE_AT``; a second fsdp2 run resuming that checkpoint; a bucketed_ddp run
       (torch's own Adafactor on whole parameters) resuming the same checkpoint: the state is torch's, portable;
-    * parallel_3d with its defaults (all dp: FSDP2 through the 3-D path);
+    * parallel_3d with its defaults (all dp: FSDP2 through the 3-D path), and DiLoCo with one fsdp2 worker of 2 ranks
+      (no outer sync within the run: the inner optimizer alone);
     * ShardedAdafactor on hand-placed DTensors: rows split unevenly, columns split (tensor parallel's Shard(1)), a
       3-D tensor split on its last dimension.
 Checked: parameters after every run equal one process's torch.optim.Adafactor (<= 1e-5, fixed batch and init), the
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.optim import shard_sums
 from lightscale.optim.adafactor import ShardedAdafactor, sharded_adafactor_from
+from lightscale.strategies import DiLoCoStrategy
 from lightscale.testing import run_distributed
 
 TOLERANCE = 1e-5  # absolute, on the parameters: the shards' sums differ from one process only in order
@@ -103,7 +105,7 @@ class _CountingDist:
         return getattr(dist, name)
 
 
-def _fit(strategy: str, root: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
+def _fit(strategy: Any, root: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     record, counting = _Record(), _CountingDist()
     callbacks: list[pl.Callback] = [record]
@@ -151,7 +153,9 @@ def _run(root: str) -> dict[str, Any]:
     resumed = _fit("fsdp2", f"{root}/resumed", resume=saved)
     ddp = _fit("bucketed_ddp", f"{root}/ddp", resume=saved)
     p3d = _fit("parallel_3d", f"{root}/p3d")
-    return {"fsdp2": first, "resumed": resumed, "ddp": ddp, "parallel_3d": p3d, "placed": _placed()}
+    diloco = _fit(DiLoCoStrategy(inner="fsdp2", workers=1, sync_every=100), f"{root}/diloco")  # no sync in STEPS
+    out = {"fsdp2": first, "resumed": resumed, "ddp": ddp, "parallel_3d": p3d, "diloco_fsdp2": diloco}
+    return out | {"placed": _placed()}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +168,7 @@ def _error(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
     return max((params[name] - expected[name]).abs().max().item() for name in expected)
 
 
-@pytest.mark.parametrize("run", ["fsdp2", "resumed", "ddp", "parallel_3d"])
+@pytest.mark.parametrize("run", ["fsdp2", "resumed", "ddp", "parallel_3d", "diloco_fsdp2"])
 def test_parameters_equal_one_process(ranks: list[dict[str, Any]], run: str) -> None:
     expected = reference(STEPS)
     for result in ranks:
