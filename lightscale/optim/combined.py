@@ -6,7 +6,7 @@ optimization. :class:`CombinedOptimizer` is one ``torch.optim.Optimizer`` over t
 ``step`` runs the closure once and then steps each part, and its ``state_dict`` is torch's format over the groups in
 order (the parts' state dicts, renumbered), so checkpoints hold both states and load under every strategy. torch has
 no such class (torch.optim lists none). The strategies check each part (lightscale/optim/rule.py): Muon inside it runs
-where Muon runs.
+where Muon runs. ZeRO refuses a combination: DeepSpeed rebuilds the optimizer over its flat partitions.
 
 Example:
     >>> def configure_optimizers(self):

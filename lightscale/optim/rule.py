@@ -12,7 +12,8 @@ parameter as one process would. Each strategy class says how its optimizer sees 
   own step fails on DTensor), torch's Muon by :class:`~lightscale.optim.muon.ShardedMuon` (each matrix orthogonalized
   whole, once, by an owner rank; torch's own runs on every rank through DTensor's sharded bf16 products, which round
   differently); a user's own shape-dependent optimizer is refused.
-* ``"flat"``: DeepSpeed steps flat 1-D partitions (ZeRO): every shape-dependent optimizer is refused.
+* ``"flat"``: DeepSpeed steps flat 1-D partitions (ZeRO): every shape-dependent optimizer is refused, and so is a
+  combination of optimizers (lightscale/optim/combined.py), whose groups DeepSpeed rebuilds.
 
 A user's own optimizer says it is shape-dependent with a class attribute::
 
@@ -83,14 +84,34 @@ def check_optimizers(
     """
     for optimizer in optimizers:
         for leaf in inner_optimizers(optimizer):
-            if runs_exactly(leaf, view):
-                continue
-            exact = [name for name, known in names_by_view().items() if runs_exactly(leaf, known)]
-            cls = type(leaf)
-            raise ConfigurationError(
-                f"{cls.__module__}.{cls.__name__} cannot run under {strategy} with the same math as one process: "
-                f"its step depends on each parameter's shape ({shape_dependence(leaf)}), and under {strategy} "
-                f"{VIEWS[view]}. It runs exactly under: {', '.join(exact)}. (lightscale detects torch.optim.Adafactor "
-                f"and torch.optim.Muon by class; an optimizer of your own opts in with the class attribute "
-                f"`{ATTRIBUTE} = True`.)"
-            )
+            if not runs_exactly(leaf, view):
+                _refuse_shape_dependent(leaf, view, strategy, names_by_view())
+        if view == "flat" and inner_optimizers(optimizer) != [optimizer]:
+            _refuse_combined(optimizer, strategy, names_by_view())
+
+
+def _refuse_shape_dependent(
+    leaf: torch.optim.Optimizer, view: ParameterView, strategy: str, names: dict[str, ParameterView]
+) -> None:
+    exact = [name for name, known in names.items() if runs_exactly(leaf, known)]
+    cls = type(leaf)
+    raise ConfigurationError(
+        f"{cls.__module__}.{cls.__name__} cannot run under {strategy} with the same math as one process: "
+        f"its step depends on each parameter's shape ({shape_dependence(leaf)}), and under {strategy} "
+        f"{VIEWS[view]}. It runs exactly under: {', '.join(exact)}. (lightscale detects torch.optim.Adafactor "
+        f"and torch.optim.Muon by class; an optimizer of your own opts in with the class attribute "
+        f"`{ATTRIBUTE} = True`.)"
+    )
+
+
+def _refuse_combined(optimizer: torch.optim.Optimizer, strategy: str, names: dict[str, ParameterView]) -> None:
+    """DeepSpeed rewrites the optimizer's groups over its flat partitions and, with offload, steps host copies: a
+    combination of optimizers trained a different model under zero2_offload and failed under zero3."""
+    parts = inner_optimizers(optimizer)
+    exact = [name for name, view in names.items() if view != "flat" and all(runs_exactly(p, view) for p in parts)]
+    raise ConfigurationError(
+        f"{type(optimizer).__name__} of {', '.join(type(p).__name__ for p in parts)} cannot run under {strategy}: "
+        f"DeepSpeed rebuilds the optimizer over its flat partitions, which a combination of optimizers does not "
+        f"survive. Use one optimizer with a parameter group per part, or a name where it runs exactly: "
+        f"{', '.join(exact)}."
+    )

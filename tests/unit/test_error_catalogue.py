@@ -319,7 +319,13 @@ def _shape_dependent_under(name: str, optimizer: str):
     from lightning.pytorch.strategies import StrategyRegistry
 
     params = [torch.nn.Parameter(torch.ones(4, 4))]
-    built = {"adafactor": torch.optim.Adafactor, "muon": torch.optim.Muon}.get(optimizer, Shampoo)(params, lr=0.1)
+    if optimizer == "combined":
+        from lightscale.optim import CombinedOptimizer
+
+        vector = [torch.nn.Parameter(torch.ones(4))]
+        built = CombinedOptimizer([torch.optim.AdamW(params), torch.optim.SGD(vector, lr=0.1)])
+    else:
+        built = {"adafactor": torch.optim.Adafactor, "muon": torch.optim.Muon}.get(optimizer, Shampoo)(params, lr=0.1)
     entry = StrategyRegistry[name]
     entry["strategy"](**entry["init_params"]).check_optimizers([built])
 
@@ -793,6 +799,9 @@ CATALOGUE: list[tuple] = [
     ("optimizer-shape-muon-zero", "torch's Muon under ZeRO (Newton-Schulz needs whole matrices; at setup)",
      lambda: _shape_dependent_under("zero3", "muon"), CE,
      r"torch.optim.Muon cannot run under ZeroStrategy.*runs exactly under: .*fsdp2"),
+    ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
+     "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
+     r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),
     ("optimizer-shape-user", "a user's optimizer declaring `shape_dependent = True` under fsdp2 (at setup)",
      lambda: _shape_dependent_under("fsdp2", "users"), CE,
      r"Shampoo cannot run under FSDP2Strategy.*runs exactly under: bucketed_ddp.*`shape_dependent = True`"),
