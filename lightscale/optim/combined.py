@@ -94,6 +94,11 @@ class _States(MutableMapping):
         self.optimizers = optimizers
 
     def _owner(self, param: torch.Tensor) -> torch.optim.Optimizer:
+        """The part holding ``param``'s state, else the part whose groups hold ``param`` (state not created yet). The
+        state is looked up first: an engine may have replaced the groups' tensors (DeepSpeed's flat partitions)."""
+        for optimizer in self.optimizers:
+            if param in optimizer.state:
+                return optimizer
         for optimizer in self.optimizers:
             if any(p is param for group in optimizer.param_groups for p in group["params"]):
                 return optimizer

@@ -67,3 +67,12 @@ def test_a_parameter_in_two_parts_is_refused() -> None:
     weight = nn.Parameter(torch.ones(2, 2))
     with pytest.raises(ValueError, match="a parameter is in two of its optimizers"):
         CombinedOptimizer([torch.optim.SGD([weight], lr=0.1), torch.optim.AdamW([weight])])
+
+
+def test_state_view_follows_state_an_engine_keyed_by_other_tensors() -> None:
+    """DeepSpeed replaces the groups' tensors with flat partitions and keys the state by those: the combined state
+    view still iterates and reads it (Lightning's teardown moves every state tensor)."""
+    combined = CombinedOptimizer(_parts(_model()))
+    flat = torch.zeros(3)
+    combined.optimizers[1].state[flat] = {"exp_avg": torch.ones(3)}
+    assert combined.state[flat]["exp_avg"].sum() == 3 and flat in dict(combined.state.items())
