@@ -145,3 +145,14 @@ def test_combined_elementwise_parts_refused_only_under_zero(name: str) -> None:
     with pytest.raises(ConfigurationError, match="CombinedOptimizer of AdamW, SGD cannot run under") as refused:
         _strategy(name).check_optimizers([combined])
     assert sorted(str(refused.value).split("runs exactly: ")[1].rstrip(".").split(", ")) == sorted(WHOLE + DTENSOR)
+
+
+@pytest.mark.parametrize(("inner", "view"), [("bucketed_ddp", "whole"), ("fsdp2", "dtensor")])
+def test_diloco_asks_its_inner_strategy(inner: str, view: str) -> None:
+    """DiLoCo's workers step with the inner strategy's optimizer: a name or a strategy object, the same view."""
+    from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy
+
+    objects = {"bucketed_ddp": BucketedDDPStrategy(bucket_cap_mb=1.0), "fsdp2": FSDP2Strategy()}
+    assert DiLoCoStrategy(inner=inner).optimizer_parameter_view() == view
+    assert DiLoCoStrategy(inner=objects[inner]).optimizer_parameter_view() == view
+    assert DiLoCoStrategy.parameter_view_for({"inner": inner}) == view

@@ -122,11 +122,11 @@ class DiLoCoStrategy(LightscaleStrategy):
     @classmethod
     @override
     def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
-        return "dtensor" if init_params.get("inner") == "fsdp2" else "whole"
+        return inner_strategy(init_params.get("inner", "bucketed_ddp")).optimizer_parameter_view()
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
-        return self.parameter_view_for({"inner": self.inner})
+        return self.inner.optimizer_parameter_view()  # the inner strategy's optimizer steps a worker's parameters
 
     def __init__(
         self,
