@@ -70,3 +70,53 @@ def test_round_trip_within_half_a_step_and_exact_size(bits: int, numel: int) -> 
     half_step = (padded.abs().amax(-1, keepdim=True) / (2**bits - 2)).expand_as(padded).reshape(3, -1)[:, :numel]
     assert torch.all((back - rows).abs() <= half_step * (1 + 1e-6))
     assert torch.equal(back[2], rows[2])
+
+
+# ---- zero3: the same arguments passed through to DeepSpeed's ZeRO++ ----------------------------------------------
+def test_zero3_passes_zeropp_to_deepspeed() -> None:
+    from lightscale.strategies.deepspeed_config import build_config
+    from lightscale.strategies.zero import ZeroStrategy
+
+    strategy = ZeroStrategy(stage=3, quantized_weights="int8", quantized_gradients="int4", secondary_shard="node")
+    config = build_config(
+        strategy.options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="bf16-mixed",
+        processes_per_node=8,
+    )  # fmt: skip
+    zero = config["zero_optimization"]
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
+        True, True, 8
+    )  # fmt: skip
+    plain = build_config(
+        ZeroStrategy(stage=3).options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="32-true"
+    )
+    assert not {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"} & set(
+        plain["zero_optimization"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 2, "quantized_weights": "int8"}, r"needs ZeRO stage 3, got stage 2"),
+        ({"stage": 3, "quantized_gradients": "int8"}, r"DeepSpeed's qgZ sends int4: choose 'none' or 'int4'"),
+        ({"stage": 3, "quantized_weights": "fp8"}, r"quantized_weights='fp8' is not a ZeRO\+\+ wire"),
+        ({"stage": 3, "config": {"zero_optimization": {"zero_quantized_weights": True}}},
+         r"zero_optimization.zero_quantized_weights is set by the strategy's quantized_weights='int8'"),
+    ],
+)  # fmt: skip
+def test_zero3_zeropp_refused_at_construction(kwargs: dict, match: str) -> None:
+    from lightscale.strategies.zero import ZeroStrategy
+
+    with pytest.raises(ConfigurationError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_zero3_zeropp_refused_on_cpu_when_the_trainer_is_built() -> None:
+    import lightscale
+    from lightscale.strategies.zero import ZeroStrategy
+
+    with pytest.raises(
+        ConfigurationError, match=r"runs DeepSpeed's CUDA quantizer, which has no build for cpu.*fsdp2_zeropp"
+    ):
+        lightscale.Trainer(strategy=ZeroStrategy(stage=3, quantized_weights="int8"), accelerator="cpu", devices=2)
+    lightscale.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, logger=False)  # without: fine
