@@ -1,0 +1,2 @@
+"""Bytes on storage: atomic directory commits, loading that never runs code (single files and DCP), shape checks,
+the multi-node shared-directory check."""
