@@ -78,3 +78,18 @@ def test_secondary_shards_through_the_strategy_change_no_value(corpus_cache: str
     plain = _run("fsdp2", 4, corpus_cache)[0]
     secondary = _run(FSDP2Strategy(secondary_shard=2), 4, corpus_cache)[0]
     assert relative_difference(secondary, plain) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "ranks"),
+    [({"activation_checkpointing": "full"}, 2), ({"dp_replicate": 2}, 4)],
+    ids=["activation_checkpointing", "hsdp"],
+)
+def test_composes_with_checkpointing_and_hsdp(options: dict, ranks: int, corpus_cache: str) -> None:
+    # Recomputed forwards gather the same int8 weights again; under HSDP the quantized all-to-all runs inside each
+    # shard group and the fp32 all-reduce across the replicas.
+    plain = _run(FSDP2Strategy(**options), ranks, corpus_cache)[0]
+    quantized = _run(
+        FSDP2Strategy(quantized_weights="int8", quantized_gradients="int8", **options), ranks, corpus_cache
+    )
+    assert 0 < relative_difference(quantized[0], plain) <= LOSS_BOUND

@@ -74,8 +74,8 @@ def test_round_trip_within_half_a_step_and_exact_size(bits: int, numel: int) -> 
 
 # ---- zero3: the same arguments passed through to DeepSpeed's ZeRO++ ----------------------------------------------
 def test_zero3_passes_zeropp_to_deepspeed() -> None:
-    from lightscale.zero.config import build_config
     from lightscale.strategies.zero import ZeroStrategy
+    from lightscale.zero.config import build_config
 
     strategy = ZeroStrategy(stage=3, quantized_weights="int8", quantized_gradients="int4", secondary_shard="node")
     config = build_config(

@@ -1,0 +1,127 @@
+"""ZeRO++ on FSDP2: does int8 on the wire change learning, and what does it buy on a slow link?
+
+1. Learning: the tiny GPT (AdamW, the recipe's schedule) trained ``--steps`` steps on 2 CPU ranks, the same tokens, as
+   ``fsdp2`` and as fsdp2 with int8 weights + int8 gradients (and int8 + int4); printed: the mean loss of the last 50
+   steps of each and its ratio to fsdp2's, and the largest gap of the 50-step running means along the way.
+2. Slow link: the same ranks as two "nodes" joined by a throttled link (lightscale.comm_counter.SlowLink, every
+   collective waits for its ring traffic at ``--mbytes-per-second``; no overlap), step time of fsdp2 ÷ fsdp2 + ZeRO++
+   int8/int8, interleaved A B B A; and the same ratio unthrottled (what quantizing costs when links are fast). On a
+   shared machine wall time is noisy, so each is also given as the rank's CPU time per step plus the link's wait
+   (the CPU time counts every thread of the process, gloo's included).
+
+    python benchmarks/bench_zeropp.py [--steps 500] [--link-steps 40] [--mbytes-per-second 10] [--only learning|link]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from common import LossStepTimer, interleaved, median, timed_trainer
+
+from lightscale.comm_counter import SlowLink
+from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
+from lightscale.strategies import FSDP2Strategy
+from lightscale.testing import run_distributed
+
+CONFIG = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
+RANKS, BATCH, WARMUP, WINDOW = 2, 8, 5, 50
+VARIANTS = {
+    "fsdp2": {},
+    "zeropp int8/int8": {"quantized_weights": "int8", "quantized_gradients": "int8"},
+    "zeropp int8/int4": {"quantized_weights": "int8", "quantized_gradients": "int4"},
+}
+
+
+class CpuTime(pl.Callback):
+    """Process CPU time of each step after the warm-up (all threads: gloo's communication too)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.process_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step > WARMUP:
+            self.times.append(time.process_time() - self._start)
+
+
+def _train(name: str, steps: int, bytes_per_second: float | None, cache: str) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    timer, cpu = LossStepTimer(WARMUP), CpuTime()
+    trainer = timed_trainer(FSDP2Strategy(**VARIANTS[name]), devices=RANKS, steps=steps, callbacks=[timer, cpu])
+    data = GPTDataModule(block_size=CONFIG.block_size, batch_size=BATCH, cache_dir=cache)
+    link = SlowLink(bytes_per_second=bytes_per_second, ranks=RANKS) if bytes_per_second else None
+    with link or contextlib.nullcontext():
+        trainer.fit(GPTModule(CONFIG, learning_rate=3e-3), data)
+    return {
+        "losses": timer.losses,
+        "step_s": sum(timer.times) / len(timer.times),
+        "cpu_s": sum(cpu.times) / len(cpu.times),
+        "wait_s": link.seconds_waited / steps if link else 0.0,
+        "bytes": sum(c.bytes for c in link.calls) / steps if link else 0,
+    }
+
+
+def _global_losses(name: str, steps: int, cache: str) -> list[float]:
+    per_rank = run_distributed(_train, name, steps, None, cache, world_size=RANKS, timeout_s=3600)
+    return [sum(step) / RANKS for step in zip(*(r["losses"] for r in per_rank), strict=True)]
+
+
+def _running_mean(values: list[float]) -> list[float]:
+    return [sum(values[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(values) + 1)]
+
+
+def learning(steps: int, cache: str) -> None:
+    curves = {name: _global_losses(name, steps, cache) for name in VARIANTS}
+    reference = _running_mean(curves["fsdp2"])
+    print(f"tiny GPT {CONFIG}, {RANKS} ranks x batch {BATCH}, {steps} steps, same tokens")
+    print(f"{'variant':<18} {'last-50 mean loss':>18} {'ratio to fsdp2':>15} {'largest running-mean gap':>25}")
+    for name, losses in curves.items():
+        mean = _running_mean(losses)
+        gap = max(abs(a - b) / b for a, b in zip(mean, reference, strict=True))
+        print(f"{name:<18} {mean[-1]:>18.4f} {mean[-1] / reference[-1]:>15.4f} {gap:>24.2%}")
+
+
+def link(steps: int, mbytes_per_second: float, repeats: int, cache: str) -> None:
+    names = ["fsdp2", "zeropp int8/int8"]
+    for rate in (mbytes_per_second * 1e6, None):
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for name in interleaved(names, repeats):
+            runs[name].append(run_distributed(_train, name, steps, rate, cache, world_size=RANKS, timeout_s=3600)[0])
+        step = {name: median([r["step_s"] for r in results]) for name, results in runs.items()}
+        model = {name: median([r["cpu_s"] + r["wait_s"] for r in results]) for name, results in runs.items()}
+        label = f"link {mbytes_per_second:g} MB/s" if rate else "unthrottled"
+        a, b = runs["fsdp2"][0], runs[names[1]][0]
+        print(f"{label}: wall step fsdp2 {step['fsdp2'] * 1e3:.1f} ms, ZeRO++ {step[names[1]] * 1e3:.1f} ms, ratio "
+              f"{step['fsdp2'] / step[names[1]]:.2f}; CPU + link wait {model['fsdp2'] * 1e3:.1f} ms vs "
+              f"{model[names[1]] * 1e3:.1f} ms, ratio {model['fsdp2'] / model[names[1]]:.2f} "
+              f"(wait {a['wait_s'] * 1e3:.1f} vs {b['wait_s'] * 1e3:.1f} ms, "
+              f"bytes/step {a['bytes']:,.0f} vs {b['bytes']:,.0f})")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--link-steps", type=int, default=40)
+    parser.add_argument("--mbytes-per-second", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", choices=["learning", "link"])
+    parser.add_argument("--cache", default="/tmp/lightscale_bench_zeropp_corpus")
+    args = parser.parse_args()
+    tokenize_to_memmap(None, Path(args.cache), ByteTokenizer())  # once, before the ranks start
+    if args.only != "link":
+        learning(args.steps, args.cache)
+    if args.only != "learning":
+        link(args.link_steps, args.mbytes_per_second, args.repeats, args.cache)
+
+
+if __name__ == "__main__":
+    main()
