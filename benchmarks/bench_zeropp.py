@@ -35,6 +35,8 @@ VARIANTS = {
     "fsdp2": {},
     "zeropp int8/int8": {"quantized_weights": "int8", "quantized_gradients": "int8"},
     "zeropp int8/int4": {"quantized_weights": "int8", "quantized_gradients": "int4"},
+    "weights int8 only": {"quantized_weights": "int8"},  # which wire moves the curve
+    "gradients int8 only": {"quantized_gradients": "int8"},
 }
 
 
@@ -79,8 +81,8 @@ def _running_mean(values: list[float]) -> list[float]:
     return [sum(values[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(values) + 1)]
 
 
-def learning(steps: int, cache: str) -> None:
-    curves = {name: _global_losses(name, steps, cache) for name in VARIANTS}
+def learning(steps: int, cache: str, only: list[str]) -> None:
+    curves = {name: _global_losses(name, steps, cache) for name in ["fsdp2", *only]}
     reference = _running_mean(curves["fsdp2"])
     print(f"tiny GPT {CONFIG}, {RANKS} ranks x batch {BATCH}, {steps} steps, same tokens")
     print(f"{'variant':<18} {'last-50 mean loss':>18} {'ratio to fsdp2':>15} {'largest running-mean gap':>25}")
@@ -114,11 +116,12 @@ def main() -> None:
     parser.add_argument("--mbytes-per-second", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", choices=["learning", "link"])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS)[1:], choices=list(VARIANTS)[1:])
     parser.add_argument("--cache", default="/tmp/lightscale_bench_zeropp_corpus")
     args = parser.parse_args()
     tokenize_to_memmap(None, Path(args.cache), ByteTokenizer())  # once, before the ranks start
     if args.only != "link":
-        learning(args.steps, args.cache)
+        learning(args.steps, args.cache, args.variants)
     if args.only != "learning":
         link(args.link_steps, args.mbytes_per_second, args.repeats, args.cache)
 

@@ -126,6 +126,7 @@ class FSDP2Strategy(LightscaleStrategy):
             offload_optimizer=self.offload,
             offload_parameters=self.offload,
             activation_checkpointing=self.activation_checkpointing,
+            secondary_shard=self._secondary_size(dims.dp_shard) or 1,
         )
 
     reads_single_files = False
@@ -245,8 +246,13 @@ class FSDP2Strategy(LightscaleStrategy):
 
     def _reshard_after_forward(self) -> bool | int:
         """hpZ: reshard the units to the secondary group size after forward (FSDP2's ``reshard_after_forward=N``)."""
-        size = self.zeropp.secondary_group_size(dp_shard=self.dims.dp_shard, per_node=self.num_processes)
-        return size if size is not None and 1 < size < self.dims.dp_shard else self.reshard_after_forward
+        return self._secondary_size(self.dims.dp_shard) or self.reshard_after_forward
+
+    def _secondary_size(self, dp_shard: int) -> int | None:
+        """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
+        shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
+        size = self.zeropp.secondary_group_size(dp_shard=dp_shard, per_node=self.num_processes)
+        return size if size is not None and 1 < size < dp_shard else None
 
     @override
     def model_to_device(self) -> None:

@@ -256,3 +256,43 @@ def test_secondary_shards_keep_backward_gathers_inside_nodes(secondary: int | No
     assert _bytes(run["forward"], "all_gather") == _expected(4, ROOT_NUMEL // 4, 8) + BLOCKS * _expected(
         4, BLOCK_NUMEL // 4, 8
     )
+
+
+# ---- hpZ's memory: the estimator counts the secondary shards exactly ----------------------------------------------
+def _secondary_shard_bytes() -> int:
+    """Bytes FSDP2 keeps between forward and backward for the tiny GPT's blocks under hpZ (2 of 4 ranks), bf16."""
+    from helpers import TINY
+
+    from lightscale.recipes.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = list(model.layers.values())
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=2, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    model(torch.randint(0, TINY.vocab_size, (2, TINY.block_size)))
+    # torch's own record of what it kept (FSDPParam.to_sharded_post_forward): private, read by this test only.
+    kept = [
+        p._sharded_post_forward_param_data for u in units for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params
+    ]
+    return sum(t.numel() * t.element_size() for t in kept)
+
+
+def test_estimator_counts_secondary_shards_exactly() -> None:
+    from helpers import TINY
+
+    from lightscale.estimate import estimate_memory
+    from lightscale.recipes.gpt import GPTModule
+    from lightscale.strategies import FSDP2Strategy
+
+    measured = run_distributed(_secondary_shard_bytes, world_size=4)
+
+    def parameters(strategy: FSDP2Strategy) -> float:
+        estimate = estimate_memory(GPTModule(TINY), strategy, world_size=4, precision="bf16-mixed", activations=False)
+        return estimate.parameters.device
+
+    extra = parameters(FSDP2Strategy(secondary_shard=2)) - parameters(FSDP2Strategy())
+    assert extra == measured[0] == measured[3] > 0
