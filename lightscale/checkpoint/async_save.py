@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import publish, staging_path, start_staging
 
 
@@ -60,7 +61,7 @@ class AsyncCheckpointWriter:
         if rank == 0:
             start_staging(path)
         if distributed:
-            dist.barrier()  # the training group, from the training thread: nobody writes before the clean-up
+            barrier()  # the training group, from the training thread: nobody writes before the clean-up
         upload = dcp.async_save(
             state, checkpoint_id=str(staging), process_group=self._side_group(), async_stager=self._stager
         )
