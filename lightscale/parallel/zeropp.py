@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,38 +114,56 @@ def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
 
 
 # ---- blockwise symmetric quantization ---------------------------------------------------------------------------
-def wire_bytes(numel: int, bits: int) -> int:
+Segments = tuple[int, ...]  # lengths of a row's consecutive parts (one parameter's shard each): blocks restart at each
+
+
+def wire_bytes(numel: int, bits: int, segments: Segments | None = None) -> int:
     """Bytes one row of ``numel`` values takes on the wire: packed values, then one fp32 scale per block."""
-    return math.ceil(numel * bits / 8) + _SCALE_BYTES * math.ceil(numel / BLOCK)
+    return math.ceil(numel * bits / 8) + _SCALE_BYTES * _blocks(segments or (numel,))
 
 
-def quantize_rows(rows: Tensor, bits: int) -> Tensor:
+def quantize_rows(rows: Tensor, bits: int, segments: Segments | None = None) -> Tensor:
     """Each row of a 2-D tensor as one uint8 wire row: values (int8, or int4 two per byte), then fp32 scales.
 
-    Symmetric round-to-nearest per block of 256: ``q = round(x / s)`` with ``s = absmax / (2^(bits-1) - 1)``."""
+    Symmetric round-to-nearest per block of 256: ``q = round(x / s)`` with ``s = absmax / (2^(bits-1) - 1)``. With
+    ``segments`` no block spans two of them: a norm's weights (~1) never set the step of a matrix's (~0.02)."""
     count, numel = rows.shape
-    blocks = math.ceil(numel / BLOCK)
+    segments = segments or (numel,)
+    blocks, where = _blocks(segments), _positions(segments, rows.device)
     padded = torch.zeros(count, blocks * BLOCK, dtype=torch.float32, device=rows.device)
-    padded[:, :numel] = rows
+    padded[:, where] = rows.to(torch.float32)
     padded = padded.view(count, blocks, BLOCK)
     qmax = 2 ** (bits - 1) - 1
     scales = padded.abs().amax(dim=-1, keepdim=True) / qmax
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block quantizes to zeros
-    values = torch.round(padded / safe).clamp_(-qmax, qmax).to(torch.int8).view(count, -1)[:, :numel]
+    values = torch.round(padded / safe).clamp_(-qmax, qmax).to(torch.int8).view(count, -1)[:, where]
     payload = _pack(values, bits)
     return torch.cat([payload, scales.view(count, blocks).view(torch.uint8)], dim=1)
 
 
-def dequantize_rows(wire: Tensor, numel: int, bits: int) -> Tensor:
-    """The fp32 values of wire rows made by :func:`quantize_rows` (``numel`` values each)."""
+def dequantize_rows(wire: Tensor, numel: int, bits: int, segments: Segments | None = None) -> Tensor:
+    """The fp32 values of wire rows made by :func:`quantize_rows` (``numel`` values each, the same ``segments``)."""
     count = wire.shape[0]
-    blocks = math.ceil(numel / BLOCK)
+    segments = segments or (numel,)
+    blocks, where = _blocks(segments), _positions(segments, wire.device)
     payload_bytes = math.ceil(numel * bits / 8)
     values = _unpack(wire[:, :payload_bytes], numel, bits).to(torch.float32)
     scales = wire[:, payload_bytes:].contiguous().view(torch.float32).view(count, blocks)
     padded = torch.zeros(count, blocks * BLOCK, dtype=torch.float32, device=wire.device)
-    padded[:, :numel] = values
-    return (padded.view(count, blocks, BLOCK) * scales.unsqueeze(-1)).view(count, -1)[:, :numel]
+    padded[:, where] = values
+    return (padded.view(count, blocks, BLOCK) * scales.unsqueeze(-1)).view(count, -1)[:, where]
+
+
+def _blocks(segments: Segments) -> int:
+    return sum(math.ceil(length / BLOCK) for length in segments)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(segments: Segments, device: torch.device) -> Tensor:
+    """Where each value of a row sits once every segment starts a new block."""
+    starts = itertools.accumulate((math.ceil(length / BLOCK) * BLOCK for length in segments[:-1]), initial=0)
+    spans = [torch.arange(start, start + length) for start, length in zip(starts, segments, strict=True)]
+    return torch.cat(spans).to(device)
 
 
 def _pack(values: Tensor, bits: int) -> Tensor:
@@ -172,11 +192,13 @@ class _Allocate:
 
 class QuantizedAllGather(_Allocate, AllGather):
     """qwZ: the primary all-gather (over ``primary_group``) sends blockwise int8 values and scales; any other gather
-    (hpZ's secondary one, inside a node) and a mixed-dtype group's byte buffer go as FSDP sends them."""
+    (hpZ's secondary one, inside a node) and a mixed-dtype group's byte buffer go as FSDP sends them. ``segments``:
+    each parameter's shard length in FSDP's flat order (blocks restart at each; ignored if they do not add up)."""
 
-    def __init__(self, primary_group: dist.ProcessGroup, bits: int = 8) -> None:
+    def __init__(self, primary_group: dist.ProcessGroup, bits: int = 8, segments: Segments | None = None) -> None:
         self.primary = primary_group.group_name
         self.bits = bits
+        self.segments = segments
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -184,20 +206,23 @@ class QuantizedAllGather(_Allocate, AllGather):
         if group.group_name != self.primary or not output_tensor.is_floating_point():
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         world, numel = group.size(), input_tensor.numel()
-        wire = quantize_rows(input_tensor.view(1, numel), self.bits)
+        segments = _matching(self.segments, numel)
+        wire = quantize_rows(input_tensor.view(1, numel), self.bits, segments)
         gathered = torch.empty(world, wire.shape[1], dtype=torch.uint8, device=wire.device)
         dist.all_gather_single(gathered, wire, group=group)
         # Every rank's slice, its own too, is the dequantized one: all ranks compute with identical weights.
-        output_tensor.view(world, numel).copy_(dequantize_rows(gathered, numel, self.bits))
+        output_tensor.view(world, numel).copy_(dequantize_rows(gathered, numel, self.bits, segments))
         return None  # done: FSDP waits on no work object
 
 
 class QuantizedReduceScatter(_Allocate, ReduceScatter):
     """qgZ: each rank quantizes the chunk every other rank owns, one all-to-all swaps them, and the owner sums the
-    dequantized chunks in fp32 (a quantized sum inside the collective would mix scales)."""
+    dequantized chunks in fp32 (a quantized sum inside the collective would mix scales). ``segments`` as for
+    :class:`QuantizedAllGather` (each rank's chunk holds its shard of every parameter, in the same order)."""
 
-    def __init__(self, bits: int) -> None:
+    def __init__(self, bits: int, segments: Segments | None = None) -> None:
         self.bits = bits
+        self.segments = segments
 
     def __call__(
         self,
@@ -208,10 +233,11 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         world, numel = group.size(), output_tensor.numel()
-        wire = quantize_rows(input_tensor.view(world, numel), self.bits)
+        segments = _matching(self.segments, numel)
+        wire = quantize_rows(input_tensor.view(world, numel), self.bits, segments)
         received = torch.empty_like(wire)
         dist.all_to_all_single(received, wire, group=group)
-        total = dequantize_rows(received, numel, self.bits).sum(dim=0)
+        total = dequantize_rows(received, numel, self.bits, segments).sum(dim=0)
         if op == dist.ReduceOp.AVG:
             total /= world
         elif op != dist.ReduceOp.SUM:
@@ -223,6 +249,25 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
         return None
 
 
+def _matching(segments: Segments | None, numel: int) -> Segments | None:
+    return segments if segments is not None and sum(segments) == numel else None
+
+
+def shard_segments(module: FSDPModule, shards: int) -> Segments:
+    """Each parameter's padded shard length in the order FSDP lays out ``module``'s flat buffers: its own parameters
+    (those of nested units excluded), dim 0 padded to a multiple of ``shards`` (``fully_shard``'s layout)."""
+    nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+              for p in sub.parameters()}  # fmt: skip
+    seen: set[int] = set()
+    lengths = []
+    for param in module.parameters():
+        if id(param) in nested or id(param) in seen:
+            continue
+        seen.add(id(param))
+        lengths.append(math.ceil(param.shape[0] / shards) * math.prod(param.shape[1:]))
+    return tuple(lengths)
+
+
 def apply_zeropp(model: nn.Module, mesh: DeviceMesh, options: ZeroPPOptions) -> None:
     """Install the quantized collectives on every FSDP unit of ``model`` (already ``fully_shard``-ed over ``mesh``,
     whose last axis is the shard axis; hpZ is ``fully_shard``'s own ``reshard_after_forward=N``)."""
@@ -230,7 +275,8 @@ def apply_zeropp(model: nn.Module, mesh: DeviceMesh, options: ZeroPPOptions) -> 
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
+        segments = shard_segments(module, primary.size())
         if options.weights != "none":
-            module.set_custom_all_gather(QuantizedAllGather(primary, BITS[options.weights]))
+            module.set_custom_all_gather(QuantizedAllGather(primary, BITS[options.weights], segments))
         if options.gradients != "none":
-            module.set_custom_reduce_scatter(QuantizedReduceScatter(BITS[options.gradients]))
+            module.set_custom_reduce_scatter(QuantizedReduceScatter(BITS[options.gradients], segments))

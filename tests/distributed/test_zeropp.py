@@ -195,10 +195,10 @@ def test_int8_training_within_the_quantization_bound(ranks: int, one_process: di
 def test_dropped_scales_fail_the_bound(monkeypatch: pytest.MonkeyPatch, one_process: dict[str, Any]) -> None:
     original = zeropp.dequantize_rows
 
-    def without_scales(wire: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    def without_scales(wire: torch.Tensor, numel: int, bits: int, segments: Any = None) -> torch.Tensor:
         payload, wire = math.ceil(numel * bits / 8), wire.clone()  # every scale read as 1.0: the raw integers
         wire[:, payload:] = torch.ones(wire.shape[0], (wire.shape[1] - payload) // 4).view(torch.uint8)
-        return original(wire, numel, bits)
+        return original(wire, numel, bits, segments)
 
     monkeypatch.setattr(zeropp, "dequantize_rows", without_scales)
     broken = _run(2, ZeroPPOptions(weights="int8", gradients="int8"))

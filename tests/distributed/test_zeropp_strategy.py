@@ -20,8 +20,8 @@ from lightscale.strategies import FSDP2Strategy
 from lightscale.testing import run_distributed
 
 GLOBAL_BATCH, STEPS = 8, 10
-# Half an int8 step is 1/254 of a block's largest value (test_zeropp.py); weights and gradients are each rounded once.
-LOSS_BOUND = 2 / 254
+# Half an int8 step is 1/254 of a block's largest value (test_zeropp.py), blocks restarting at every parameter.
+LOSS_BOUND = 1 / 254
 
 
 class _Gather(pl.Callback):
@@ -65,7 +65,9 @@ def test_fsdp2_zeropp_learns_as_fsdp2_and_saves_full_precision(
 ) -> None:
     checkpoint = str(tmp_path / "zeropp.ckpt")
     losses, gathered = _run("fsdp2_zeropp", 2, corpus_cache, checkpoint)
-    assert 0 < relative_difference(losses, fsdp2_losses) <= LOSS_BOUND  # measured 3.1e-3 (4 ranks: 1.8e-3)
+    assert (
+        0 < relative_difference(losses, fsdp2_losses) <= LOSS_BOUND
+    )  # measured 3.5e-4 (blocks spanning parameters: 3.1e-3)
     convert(checkpoint, tmp_path / "gpt.pt")
     exported = torch.load(tmp_path / "gpt.pt", weights_only=True)
     assert sorted(exported) == sorted(gathered)

@@ -120,3 +120,13 @@ def test_zero3_zeropp_refused_on_cpu_when_the_trainer_is_built() -> None:
     ):
         lightscale.Trainer(strategy=ZeroStrategy(stage=3, quantized_weights="int8"), accelerator="cpu", devices=2)
     lightscale.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, logger=False)  # without: fine
+
+
+def test_blocks_restart_at_each_parameter() -> None:
+    # A norm's weights (~1) beside a matrix's (~0.01): with segments the matrix keeps a step of its own.
+    rows = torch.cat([torch.ones(1, 100), torch.full((1, 300), 0.01) * torch.linspace(-1, 1, 300)], dim=1)
+    mixed = (dequantize_rows(quantize_rows(rows, 8), 400, 8) - rows)[:, 100:].abs().max()
+    wire = quantize_rows(rows, 8, (100, 300))
+    assert wire.shape[1] == wire_bytes(400, 8, (100, 300)) == 400 + 4 * (1 + 2)
+    apart = (dequantize_rows(wire, 400, 8, (100, 300)) - rows)[:, 100:].abs().max()
+    assert apart <= 0.01 / 254 * (1 + 1e-6) < mixed
