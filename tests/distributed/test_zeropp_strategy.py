@@ -65,9 +65,8 @@ def test_fsdp2_zeropp_learns_as_fsdp2_and_saves_full_precision(
 ) -> None:
     checkpoint = str(tmp_path / "zeropp.ckpt")
     losses, gathered = _run("fsdp2_zeropp", 2, corpus_cache, checkpoint)
-    assert (
-        0 < relative_difference(losses, fsdp2_losses) <= LOSS_BOUND
-    )  # measured 3.5e-4 (blocks spanning parameters: 3.1e-3)
+    # Measured 3.5e-4 (3.1e-3 when blocks spanned parameters: a norm's weights set the step of a matrix's).
+    assert 0 < relative_difference(losses, fsdp2_losses) <= LOSS_BOUND
     convert(checkpoint, tmp_path / "gpt.pt")
     exported = torch.load(tmp_path / "gpt.pt", weights_only=True)
     assert sorted(exported) == sorted(gathered)
