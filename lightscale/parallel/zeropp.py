@@ -4,7 +4,7 @@ gradients (qgZ) and secondary shards (hpZ).
 ========================  ==================================================================================
 option                    what goes on the wire
 ========================  ==================================================================================
-``weights="int8"``        each all-gather sends int8 values and one fp32 scale per 256 (blockwise symmetric),
+``weights="int8"``        each all-gather sends int8 values and one fp32 scale per 256 of a parameter (symmetric),
                           dequantized into the compute dtype on arrival (``set_custom_all_gather``)
 ``gradients="int8"``      each reduce-scatter becomes an all-to-all of int8 values + fp32 scales per 256; every
 ``gradients="int4"``      rank dequantizes what it received and sums in fp32 (``set_custom_reduce_scatter``);
@@ -14,9 +14,10 @@ option                    what goes on the wire
                           gather carries the compute dtype, values already dequantized in forward
 ========================  ==================================================================================
 
-Bytes per rank's shard of ``n`` values: ``ceil(n * bits / 8) + 4 * ceil(n / 256)`` (:func:`wire_bytes`), so int8
-weights send ``(1 + 4/256) / 4 = 0.2539`` of fp32's bytes and ``(1 + 4/256) / 2 = 0.5078`` of bf16's. The sharded
-parameters, gradients and optimizer state stay full precision: only the wire is quantized, and checkpoints hold the
+Bytes per rank's shard of ``n`` values of one parameter: ``ceil(n * bits / 8) + 4 * ceil(n / 256)`` (blocks restart
+at every parameter, as DeepSpeed quantizes per tensor; :func:`wire_bytes`), so int8 weights send
+``(1 + 4/256) / 4 = 0.2539`` of fp32's bytes and ``(1 + 4/256) / 2 = 0.5078`` of bf16's. The sharded parameters,
+gradients and optimizer state stay full precision: only the wire is quantized, and checkpoints hold the
 full-precision shards.
 
 Example:
