@@ -9,7 +9,8 @@
    shared machine wall time is noisy, so each is also given as the rank's CPU time per step plus the link's wait
    (the CPU time counts every thread of the process, gloo's included).
 
-    python benchmarks/bench_zeropp.py [--steps 500] [--link-steps 40] [--mbytes-per-second 10] [--only learning|link]
+    python benchmarks/bench_zeropp.py [--steps 500] [--seeds 0 1 2] [--variants ...] [--link-steps 40]
+                                      [--mbytes-per-second 10] [--only learning|link]
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class CpuTime(pl.Callback):
             self.times.append(time.process_time() - self._start)
 
 
-def _train(name: str, steps: int, bytes_per_second: float | None, cache: str) -> dict[str, Any]:
-    pl.seed_everything(0, verbose=False)
+def _train(name: str, steps: int, bytes_per_second: float | None, cache: str, seed: int = 0) -> dict[str, Any]:
+    pl.seed_everything(seed, verbose=False)
     timer, cpu = LossStepTimer(WARMUP), CpuTime()
     trainer = timed_trainer(FSDP2Strategy(**VARIANTS[name]), devices=RANKS, steps=steps, callbacks=[timer, cpu])
     data = GPTDataModule(block_size=CONFIG.block_size, batch_size=BATCH, cache_dir=cache)
@@ -73,8 +74,8 @@ def _train(name: str, steps: int, bytes_per_second: float | None, cache: str) ->
     }
 
 
-def _global_losses(name: str, steps: int, cache: str) -> list[float]:
-    per_rank = run_distributed(_train, name, steps, None, cache, world_size=RANKS, timeout_s=3600)
+def _global_losses(name: str, steps: int, cache: str, seed: int) -> list[float]:
+    per_rank = run_distributed(_train, name, steps, None, cache, seed, world_size=RANKS, timeout_s=3600)
     return [sum(step) / RANKS for step in zip(*(r["losses"] for r in per_rank), strict=True)]
 
 
@@ -82,15 +83,16 @@ def _running_mean(values: list[float]) -> list[float]:
     return [sum(values[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(values) + 1)]
 
 
-def learning(steps: int, cache: str, only: list[str]) -> None:
-    curves = {name: _global_losses(name, steps, cache) for name in ["fsdp2", *only]}
-    reference = _running_mean(curves["fsdp2"])
-    print(f"tiny GPT {CONFIG}, {RANKS} ranks x batch {BATCH}, {steps} steps, same tokens")
-    print(f"{'variant':<18} {'last-50 mean loss':>18} {'ratio to fsdp2':>15} {'largest running-mean gap':>25}")
-    for name, losses in curves.items():
-        mean = _running_mean(losses)
-        gap = max(abs(a - b) / b for a, b in zip(mean, reference, strict=True))
-        print(f"{name:<18} {mean[-1]:>18.4f} {mean[-1] / reference[-1]:>15.4f} {gap:>24.2%}")
+def learning(steps: int, cache: str, only: list[str], seeds: list[int]) -> None:
+    print(f"tiny GPT {CONFIG}, {RANKS} ranks x batch {BATCH}, {steps} steps, same tokens per seed")
+    print(f"{'seed':>4} {'variant':<22} {'last-50 mean loss':>18} {'ratio to fsdp2':>15} {'largest gap':>12}")
+    for seed in seeds:
+        curves = {name: _global_losses(name, steps, cache, seed) for name in ["fsdp2", *only]}
+        reference = _running_mean(curves["fsdp2"])
+        for name, losses in curves.items():
+            mean = _running_mean(losses)
+            gap = max(abs(a - b) / b for a, b in zip(mean, reference, strict=True))
+            print(f"{seed:>4} {name:<22} {mean[-1]:>18.4f} {mean[-1] / reference[-1]:>15.4f} {gap:>11.2%}")
 
 
 def link(steps: int, mbytes_per_second: float, repeats: int, cache: str) -> None:
@@ -126,12 +128,13 @@ def main() -> None:
     parser.add_argument("--mbytes-per-second", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", choices=["learning", "link"])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS)[1:], choices=list(VARIANTS)[1:])
     parser.add_argument("--cache", default="/tmp/lightscale_bench_zeropp_corpus")
     args = parser.parse_args()
     tokenize_to_memmap(None, Path(args.cache), ByteTokenizer())  # once, before the ranks start
     if args.only != "link":
-        learning(args.steps, args.cache, args.variants)
+        learning(args.steps, args.cache, args.variants, args.seeds)
     if args.only != "learning":
         link(args.link_steps, args.mbytes_per_second, args.repeats, args.cache)
 
