@@ -268,6 +268,11 @@ class FSDP2Strategy(LightscaleStrategy):
         return fsdp2_precision_plugin(name, device_type)
 
     def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
+        if self.zeropp.secondary_shard is not None:
+            raise ConfigurationError(
+                f"secondary_shard={self.zeropp.secondary_shard!r} (hpZ) is not applied inside a DiLoCo worker; its "
+                "quantized wires are (quantized_weights, quantized_gradients). Drop secondary_shard from inner=."
+            )
         return ParallelizeOptions(
             activation_checkpointing=activation_checkpointing,
             compile=compile,
@@ -275,6 +280,7 @@ class FSDP2Strategy(LightscaleStrategy):
             reshard_after_forward=self.reshard_after_forward,
             always_shard=True,
             fsdp_over="dp_shard",  # the workers meet through DiLoCo's outer sync, not through FSDP
+            zeropp=self.zeropp if self.zeropp.enabled else None,  # over the worker's ranks
         )
 
     def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:
