@@ -18,7 +18,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.strategies.registry import strategy_table
 
 WHOLE = ["bucketed_ddp", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "diloco", "streaming_diloco", "local_sgd"]
-DTENSOR = ["fsdp2", "fsdp2_grad_op", "hsdp", "fsdp2_offload", "parallel_3d", "tp2", "pp2", "tp2_pp2"]
+DTENSOR = ["fsdp2", "fsdp2_grad_op", "hsdp", "fsdp2_offload", "fsdp2_zeropp", "parallel_3d", "tp2", "pp2", "tp2_pp2"]
 DTENSOR += ["ep2", "ep2_pp2", "ep2_tp2", "cp2", "cp2_tp2"]
 FLAT = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity", "fit_memory"]
 
