@@ -41,7 +41,7 @@ test: $(STAMP)
 
 # The oldest and newest supported torch + Lightning (+ DeepSpeed), each in a venv cached under .compat/, through a
 # smoke subset (a fit per family, save/resume/load, the private-API pins); table in docs/compat.md. Not in CI:
-# ~3 GB of CUDA wheels per venv on first use and ~10 minutes per combination on 2 CPU cores.
+# ~3 GB of CUDA wheels per venv on first use (~5 min each here), then 2-8 minutes of tests per combination.
 compat: $(STAMP)
 	$(BIN)/python tests/compat/run.py --report runs/compat.md
 
