@@ -1,0 +1,1 @@
+"""Where checkpoints live: local paths and fsspec URLs (urls.py)."""
