@@ -212,15 +212,15 @@ def saved_model_shapes(path: Location) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint_dir(path: Location) -> None:
+    if isinstance(path, RemotePath) and path.is_dir() and not is_complete(path):
+        raise ConfigurationError(
+            f"{path} is an incomplete checkpoint: its save did not finish (no completion marker, written last; "
+            "lightscale/storage/urls.py). Resume from an earlier checkpoint."
+        )
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
             f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "
             f"and {TRAINER_STATE}) or a Lightning checkpoint file."
-        )
-    if isinstance(path, RemotePath) and not is_complete(path):
-        raise ConfigurationError(
-            f"{path} is an incomplete checkpoint: its save did not finish (no completion marker, written last; "
-            "lightscale/storage/urls.py). Resume from an earlier checkpoint."
         )
 
 

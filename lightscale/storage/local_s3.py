@@ -1,0 +1,88 @@
+"""A real S3 server on loopback (moto's server mode), for the tests, the benchmark and the docs' example of
+checkpoints in object storage; ``pip install 'lightscale[s3]'`` installs it with ``s3fs``.
+
+The server is its own process (``python -m moto.server``) on a free port of 127.0.0.1; inside the block the standard
+AWS variables point every client at it (``AWS_ENDPOINT_URL``, dummy credentials), so ranks started from this process
+(forked, spawned, or Lightning's launcher) write the same bucket. Leaving the block stops the server and restores the
+variables; objects live in its memory only.
+
+Example:
+    >>> with local_s3_server(bucket="checkpoints"):
+    ...     trainer = lightscale.Trainer(callbacks=[ModelCheckpoint(dirpath="s3://checkpoints/run")], ...)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import fsspec
+
+from lightscale.errors import import_extra
+
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_listening(port: int, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the local S3 server exited with code {server.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"the local S3 server did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+
+
+def _clear_s3_clients() -> None:
+    """fsspec caches filesystems by arguments, not by endpoint: a client of an earlier server must not be reused."""
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+
+
+@contextmanager
+def local_s3_server(*, bucket: str = "checkpoints", start_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run an S3 server on loopback with ``bucket`` created; yields its endpoint URL (see the module docstring)."""
+    import_extra("moto", "s3")
+    import_extra("s3fs", "s3")
+    port = _free_port()
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = {name: os.environ.get(name) for name in _ENV}
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_listening(port, server, start_timeout_s)
+        os.environ.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="local",
+            AWS_SECRET_ACCESS_KEY="local",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        _clear_s3_clients()
+        fsspec.filesystem("s3").mkdir(bucket)
+        yield endpoint
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _clear_s3_clients()

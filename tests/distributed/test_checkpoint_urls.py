@@ -1,0 +1,211 @@
+"""Checkpoints at fsspec URLs, against a real S3 server started here on loopback (moto; lightscale/storage/local_s3.py).
+
+Per strategy (2 gloo ranks): train ``SAVED_AT`` steps saving to ``s3://``, resume with ``fit(ckpt_path="s3://...")``
+to ``STEPS`` (ModelCheckpoint's ``save_top_k=1`` then removes the first checkpoint from the bucket), and compare every
+loss and the final weights bit for bit with an uninterrupted run; load the result in a fresh process (Lightning's
+``load_from_checkpoint``; ``torch.load`` through fsspec without lightscale for a single file). No local folder named
+like the URL appears. ``memory://`` does the same in one process; a scheme whose package is missing is refused.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import StepLosses, quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightscale.errors import ConfigurationError
+from lightscale.storage.local_s3 import local_s3_server
+from lightscale.storage.urls import COMPLETE
+from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy
+from lightscale.testing import run_distributed
+
+BUCKET = "lightscale-test"
+STEPS, SAVED_AT = 6, 3
+SAMPLES = 8  # one global batch: every step sees every sample, so only the checkpoint can change a resumed run
+HERE = Path(__file__).parent
+
+
+class Regressor(pl.LightningModule):
+    """A tiny model trained with SGD and momentum (the momentum buffer is optimizer state the resume must restore)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _loader(ranks: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 1, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=SAMPLES // ranks)
+
+
+def _strategy(name: str, checkpoint_format: str) -> Any:
+    return FSDP2Strategy() if name == "fsdp2" else BucketedDDPStrategy(checkpoint_format=checkpoint_format)
+
+
+def _full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole tensors on every rank (FSDP2's shards gathered, collectively)."""
+    state = module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def _fit(
+    strategy: str, *, max_steps: int, dirpath: str | None = None, ckpt_path: str | None = None, fmt: str = "dcp"
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    ranks = dist.get_world_size()
+    pl.seed_everything(0, verbose=False)
+    losses = StepLosses()
+    callbacks: list[pl.Callback] = [losses]
+    if dirpath is not None:
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=SAVED_AT))
+    trainer = quiet_trainer(
+        _strategy(strategy, fmt),
+        devices=ranks,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        enable_checkpointing=dirpath is not None,
+    )
+    model = Regressor()
+    trainer.fit(model, _loader(ranks), ckpt_path=ckpt_path)
+    return losses.steps, _full_weights(model)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    with local_s3_server(bucket=BUCKET) as endpoint:
+        yield endpoint
+
+
+def _objects(prefix: str) -> list[str]:
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return sorted(key[len(prefix) + 1 :] for key in fs.find(prefix))
+
+
+def _load_in_fresh_process(url: str, out: Path, *, with_lightscale: bool) -> dict[str, torch.Tensor]:
+    """The weights a process that never trained (and, for a single file, never imported lightscale) reads."""
+    if with_lightscale:  # a directory: Lightning's own classmethod, through the hook `import lightscale` installs
+        code = (
+            f"import sys, torch; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; "
+            "from test_checkpoint_urls import Regressor; "
+            f"torch.save(Regressor.load_from_checkpoint({url!r}).state_dict(), {str(out)!r})"
+        )
+    else:  # a single file: plain torch.load of the object, read through fsspec
+        code = (
+            "import fsspec, sys, torch; f = fsspec.open(" + repr(url) + ", 'rb').open(); "
+            "state = torch.load(f, weights_only=True)['state_dict']; "
+            "assert 'lightscale' not in sys.modules; "
+            f"torch.save(state, {str(out)!r})"
+        )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(("strategy", "fmt"), [("bucketed_ddp", "dcp"), ("fsdp2", "dcp"), ("bucketed_ddp", "file")])
+def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
+    strategy: str, fmt: str, s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where a URL mangled into a local path would appear
+    prefix = f"{BUCKET}/{strategy}-{fmt}"
+    url = f"s3://{prefix}"
+    whole, final = run_distributed(_fit, strategy, max_steps=STEPS, world_size=2, timeout_s=240)[0]
+    first, _ = run_distributed(_fit, strategy, max_steps=SAVED_AT, dirpath=url, fmt=fmt, world_size=2)[0]
+    saved = _objects(prefix)
+    if fmt == "dcp":
+        assert {f"step={SAVED_AT}.ckpt/{name}" for name in (".metadata", "trainer_state.pt", COMPLETE)} <= set(saved)
+        assert sum(name.endswith(".distcp") for name in saved) == 2  # one shard file per rank
+    else:
+        assert saved == [f"step={SAVED_AT}.ckpt"]
+    resume = f"{url}/step={SAVED_AT}.ckpt"
+    second, resumed = run_distributed(
+        _fit, strategy, max_steps=STEPS, dirpath=url, ckpt_path=resume, fmt=fmt, world_size=2, timeout_s=240
+    )[0]
+    assert first + second == whole  # bitwise: every loss of the resumed run equals the uninterrupted run's
+    _assert_same(resumed, final)
+    remaining = _objects(prefix)
+    assert not any(name.startswith(f"step={SAVED_AT}.ckpt") for name in remaining)  # save_top_k=1 removed it
+    assert not any(".tmp" in name for name in remaining)  # no staging prefix left behind
+    loaded = _load_in_fresh_process(f"{url}/step={STEPS}.ckpt", tmp_path / "w.pt", with_lightscale=fmt == "dcp")
+    _assert_same(loaded, final)
+    assert list(tmp_path.iterdir()) == [tmp_path / "w.pt"]  # nothing local: no folder named "s3:"
+
+
+def _memory_round_trip() -> tuple[list[float], list[float], list[str]]:
+    whole, _ = _fit("bucketed_ddp", max_steps=STEPS)
+    first, _ = _fit("bucketed_ddp", max_steps=SAVED_AT, dirpath="memory://ckpts/run")
+    second, _ = _fit("bucketed_ddp", max_steps=STEPS, ckpt_path=f"memory://ckpts/run/step={SAVED_AT}.ckpt")
+    return whole, first + second, sorted(fsspec.filesystem("memory").find("/ckpts/run"))
+
+
+def test_memory_url_round_trip_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    whole, resumed, saved = run_distributed(_memory_round_trip, world_size=1)[0]
+    assert resumed == whole
+    assert f"/ckpts/run/step={SAVED_AT}.ckpt/{COMPLETE}" in saved
+    assert list(tmp_path.iterdir()) == []
+
+
+def _save_to_memory_on_two_ranks() -> str:
+    try:
+        _fit("bucketed_ddp", max_steps=SAVED_AT, dirpath="memory://ckpts/shared")
+    except ConfigurationError as error:
+        return str(error)
+    return "saved"
+
+
+def test_memory_url_is_refused_for_several_ranks() -> None:
+    messages = run_distributed(_save_to_memory_on_two_ranks, world_size=2)
+    assert all("memory://" in m and "2 ranks cannot share it" in m for m in messages), messages
+
+
+def _resume_from_gs() -> tuple[str, list[float]]:
+    losses = StepLosses()
+    trainer = quiet_trainer(_strategy("bucketed_ddp", "dcp"), devices=1, max_steps=2, callbacks=[losses])
+    try:
+        trainer.fit(Regressor(), _loader(1), ckpt_path="gs://bucket/run/last.ckpt")
+    except ConfigurationError as error:
+        return str(error), losses.steps
+    return "trained", losses.steps
+
+
+def test_missing_filesystem_package_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if _installed("gcsfs"):
+        pytest.skip("gcsfs is installed here")
+    monkeypatch.chdir(tmp_path)
+    message, steps = run_distributed(_resume_from_gs, world_size=1)[0]
+    assert "gcsfs" in message and "gs://bucket/run/last.ckpt" in message and steps == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def _installed(package: str) -> bool:
+    try:
+        __import__(package)
+    except ImportError:
+        return False
+    return True
