@@ -11,7 +11,7 @@ backward 2) for the others; the ratio measured / theoretical is 1 for a perfect 
 ``parallelize_gpt`` on the same mesh, forward + backward under ``loss_parallel``, AdamW step. Interleaved ABBA,
 medians of step times after warm-up.
 
-(3) The same tp=2 run with the batch agreement check (lightscale/parallel/batch_agreement.py) at every other step:
+(3) The same tp=2 run with the batch agreement check (lightscale/data/batch_agreement.py) at every other step:
 the median time of the checked steps over that of the unchecked ones, side by side in one run; and the check's own
 cost (the median of 50 checks of a batch the run's size on the same 2 ranks) as a share of a step, every step and at
 the default interval.
@@ -37,9 +37,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, timed_trainer
 
-from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement
+from lightscale.commands.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
+from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement
 from lightscale.parallel.pipeline import default_stages_per_rank, schedule_class, stage_ids
-from lightscale.parallel.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
 from lightscale.recipes.gpt.parallelize import parallelize_gpt
 from lightscale.strategies import Parallel3DStrategy, ParallelDims

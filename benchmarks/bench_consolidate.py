@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightscale.checkpoint.layout import TRAINER_STATE
-from lightscale.checkpoint.safe_io import save_atomically
+from lightscale.checkpoint.portable import TRAINER_STATE
+from lightscale.storage.safe_io import save_atomically
 
 MEASURE = """
 import json, resource, sys
@@ -141,7 +141,7 @@ def _merge(parts: list[Path], directory: Path) -> None:
 
 # ---- measuring ----------------------------------------------------------------------------------------------------
 def sizes(directory: Path) -> dict[str, int]:
-    from lightscale.checkpoint.layout import layout_entries
+    from lightscale.checkpoint.portable import layout_entries
 
     entries = layout_entries(directory)
     tensors = {

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests")) 
 from common import interleaved, median
 from experts_reference import loop_experts
 
-from lightscale.parallel.grouped_mm import grouped_mlp
+from lightscale.layers.grouped_mm import grouped_mlp
 
 CALLS = 5  # timed forward + backward calls per repeat
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import StepTimer, interleaved, median, timed_trainer
 
 import lightscale.parallel.experts as experts
-from lightscale.parallel.moe import MoEConfig
+from lightscale.layers.moe import MoEConfig
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.testing import run_distributed
 

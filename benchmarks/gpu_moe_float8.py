@@ -21,7 +21,7 @@ def grouped_vs_loop(experts: int, width: int, tokens: int, repeats: int = 10) ->
     import torch
     from experts_reference import loop_experts
 
-    from lightscale.parallel.grouped_mm import grouped_mlp
+    from lightscale.layers.grouped_mm import grouped_mlp
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

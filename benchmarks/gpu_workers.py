@@ -69,7 +69,7 @@ def environment() -> dict[str, Any]:
 
 
 def build_deepspeed_ops() -> list[str]:
-    from lightscale.strategies.deepspeed_ops import build_cpu_ops
+    from lightscale.zero.ops import build_cpu_ops
 
     return build_cpu_ops()
 

@@ -5,9 +5,10 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
-from lightscale import streams
+from lightscale import moved
 from lightscale.checkpoint.lightning_load import install_lightning_loading
-from lightscale.parallel.data_shard import DataShard, data_shard
+from lightscale.data import streams
+from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
@@ -24,6 +25,7 @@ __all__ = [
     "streams",
 ]
 
+moved.install()  # old module paths keep importing for a release (lightscale/moved.py)
 register_strategies()
 check_strategy_in_lightning()
 install_lightning_loading()  # Lightning's loaders read lightscale checkpoint directories (checkpoint/lightning_load.py)

@@ -33,10 +33,10 @@ from lightscale.checkpoint.convert import (
 from lightscale.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
 from lightscale.commands.consolidate import consolidate_command
 from lightscale.commands.estimate import estimate_command, plan_command
+from lightscale.commands.schedule_plot import draw_schedule, idle_fractions, schedule_slots
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
-from lightscale.parallel.schedule_plot import draw_schedule, idle_fractions, schedule_slots
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
+from lightscale.runtime.collectives import all_gather_single, reduce_scatter_single
 from lightscale.testing import free_port
 
 ENV_THAT_MATTERS = (

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightscale.strategies.failure import EXIT_CODE
+from lightscale.runtime.failure import EXIT_CODE
 
 
 class RankFailed(RuntimeError):

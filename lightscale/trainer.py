@@ -14,8 +14,8 @@ from lightning.pytorch import Trainer as LightningTrainer
 from typing_extensions import override
 
 from lightscale.callbacks.model_summary import with_global_summary
+from lightscale.data.data_shard import forget_data_shard
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.data_shard import forget_data_shard
 from lightscale.plugins.precision import (
     check_precision,
     check_strategy_precision,

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightscale.checkpoint.layout import TRAINER_STATE
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.checkpoint.portable import TRAINER_STATE
 from lightscale.recipes.gpt import GPT, GPTConfig
+from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
 
 # Untied embeddings and 2 blocks: every pipeline split of the GPT recipe is possible (tied weights cannot span stages).
 CONFIG = dataclasses.replace(TINY, n_layer=2, tie_weights=False)
@@ -242,7 +242,7 @@ def zero_live_state(trainer: pl.Trainer) -> State:
     layout (any torch optimizer: Adam's moments and step, SGD's momentum buffer, ...)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from lightscale.checkpoint.zero_portable import optimizer_state
+    from lightscale.zero.portable import optimizer_state
 
     strategy = trainer.strategy
     zero = strategy.engine.optimizer

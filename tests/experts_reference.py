@@ -1,4 +1,4 @@
-"""The routed experts one matmul pair at a time: the reference the grouped GEMM of lightscale/parallel/grouped_mm.py
+"""The routed experts one matmul pair at a time: the reference the grouped GEMM of lightscale/layers/grouped_mm.py
 is checked against (tests/unit/test_grouped_mm.py, tests/gpu/test_grouped_mm_cuda.py) and timed against
 (benchmarks/bench_experts.py, benchmarks/gpu_moe_float8.py)."""
 

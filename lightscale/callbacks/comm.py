@@ -27,7 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightscale.comm_counter import CollectiveCounter, Traffic
-from lightscale.estimate.layout import layout_of
+from lightscale.estimate.memory_layout import layout_of
 from lightscale.estimate.model_states import bytes_per_parameter
 from lightscale.estimate.parameters import rank_parameter_sizes
 

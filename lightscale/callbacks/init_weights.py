@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightscale.checkpoint.layout import load_model_part
+from lightscale.checkpoint.portable import load_model_part
 from lightscale.errors import ConfigurationError
 from lightscale.strategies.base import LightscaleStrategy
 

@@ -6,6 +6,6 @@ reads that never unpickle code), atomic_dir.py (directory swap), async_save.py (
 rank's random state), shape_check.py, shared_dir.py (multi-node directory check), convert.py (export/convert).
 """
 
-from lightscale.checkpoint.safe_io import SafeCheckpointIO, allow_in_checkpoints
+from lightscale.storage.safe_io import SafeCheckpointIO, allow_in_checkpoints
 
 __all__ = ["SafeCheckpointIO", "allow_in_checkpoints"]

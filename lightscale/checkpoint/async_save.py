@@ -3,7 +3,7 @@
 ``save`` blocks only while the state is copied to CPU memory (``torch.distributed.checkpoint.async_save``'s
 stager); DCP then writes the shards from a side thread, and when every rank's shards and ``.metadata`` are on
 disk, rank 0 writes ``trainer_state.pt`` into the staging directory and renames it into place
-(lightscale/checkpoint/atomic_dir.py): a checkpoint is never visible half-written, and a run killed mid-write keeps
+(lightscale/storage/atomic_dir.py): a checkpoint is never visible half-written, and a run killed mid-write keeps
 the previous one.
 
 Why a second process group: DCP's save gathers plans and results with collectives. Issued from a side thread on
@@ -36,11 +36,11 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightscale.checkpoint.atomic_dir import publish, staging_path, start_staging
+from lightscale.storage.atomic_dir import publish, staging_path, start_staging
 
 
 class AsyncCheckpointWriter:
-    """Writes :func:`~lightscale.checkpoint.layout.write_checkpoint`'s layout in the background."""
+    """Writes :func:`~lightscale.checkpoint.portable.write_checkpoint`'s layout in the background."""
 
     def __init__(self, *, timeout: timedelta | None = None) -> None:
         self._timeout = timeout

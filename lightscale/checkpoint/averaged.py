@@ -6,7 +6,7 @@ lightscale's layout keeps the raw weights as ``model.*`` and a ``WeightAveraging
 the raw weights, ``averaging_state`` the counter. Single files lightscale writes or makes (``checkpoint_format="file"``,
 ``lightscale consolidate``, ``load_from_checkpoint`` of a directory) follow Lightning's, so plain Lightning restores
 both and ``load_from_checkpoint`` gives the average, as it would for a file Lightning wrote; reading such a file as
-the layout (lightscale/checkpoint/layout_file.py) turns it back.
+the layout (lightscale/checkpoint/portable_file.py) turns it back.
 
 Example:
     >>> lightning_file = to_lightning_convention(checkpoint)   # state_dict: the average

@@ -38,11 +38,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
-from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
-from lightscale.checkpoint.layout import check_checkpoint_dir, full_model_state_dict, write_checkpoint
-from lightscale.checkpoint.safe_io import atomic_path, load_weights_only, save_atomically
+from lightscale.checkpoint.portable import check_checkpoint_dir, full_model_state_dict, write_checkpoint
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.safe_io import atomic_path, load_weights_only, save_atomically
+from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 
 TARGETS = ("safetensors", "torch", "dcp")
 SOURCES = ("dcp", "deepspeed", "lightning", "torch", "safetensors")
@@ -86,7 +86,7 @@ def read_model_state(
     a weight-averaging callback's average instead (kept in the portable layout only).
 
     Runs in one process, no process group; never runs code from the files (a payload is refused with
-    :class:`~lightscale.checkpoint.safe_dcp.UnsafeCheckpointError`).
+    :class:`~lightscale.storage.safe_dcp.UnsafeCheckpointError`).
     """
     path = complete_checkpoint(Path(checkpoint))
     source = detect_source(path) if source == "auto" else source

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightscale.checkpoint.layout import layout_entries, read_checkpoint
+from lightscale.checkpoint.portable import layout_entries, read_checkpoint
 from lightscale.parallel.diloco import OuterSync
 
 _PREFIX = "diloco."

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
-from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
-from lightscale.checkpoint.safe_io import SafeCheckpointIO
+from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.errors import ConfigurationError, import_extra
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.safe_io import SafeCheckpointIO
 
 MODELS = "models"  # trainer_state["lightscale"][MODELS]: [{"attribute", "class", "library", "config"}]
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' default for save_pretrained

@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightscale.checkpoint.averaged import AVERAGED_META, to_lightning_convention
-from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
-from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
-from lightscale.checkpoint.safe_dcp import load_safely, safe_reader
-from lightscale.checkpoint.safe_io import load_weights_only
+from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.errors import ConfigurationError
+from lightscale.storage.safe_dcp import load_safely, safe_reader
+from lightscale.storage.safe_io import load_weights_only
 from lightscale.storage.urls import Location, checkpoint_location
+from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
 _OPTIMIZER = "optimizer."

@@ -39,9 +39,9 @@ import lightning.pytorch.core.saving as saving
 import torch
 from lightning.pytorch.strategies.strategy import Strategy
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.lightning_format import check_optimizers, is_lightscale_directory, lightning_checkpoint
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.safe_io import checkpoint_safe_globals
 from lightscale.storage.urls import Location, checkpoint_location
 
 _INSTALLED = "__lightscale_hook__"

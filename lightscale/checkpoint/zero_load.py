@@ -1,4 +1,4 @@
-"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/checkpoint/zero_portable.py).
+"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/zero/portable.py).
 
 A bounded batch of whole parameters at a time (:data:`LOAD_BATCH_NUMEL` elements) is read and written into the
 engine's partitions with ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``; the working copies are
@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
-from lightscale.checkpoint.layout import layout_entries, read_checkpoint
-from lightscale.checkpoint.zero_portable import (
+from lightscale.checkpoint.portable import layout_entries, read_checkpoint
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.zero.portable import (
     _flat_partitions,
     _rank,
     materialize_optimizer_state,

@@ -20,11 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
 from lightscale.checkpoint.averaged import from_lightning_convention, without_lightning_entries
 from lightscale.checkpoint.lightning_format import is_lightscale_directory, lightning_checkpoint
-from lightscale.checkpoint.safe_io import load_weights_only, save_atomically
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.safe_io import load_weights_only, save_atomically
 
 WITHOUT_OPTIMIZER = "consolidated without --with-optimizer"
 

@@ -2,7 +2,7 @@
 
 from lightscale.estimate.activations import megatron_activation_bytes
 from lightscale.estimate.core import MemoryEstimate, estimate_memory
-from lightscale.estimate.layout import Layout, layout_of
+from lightscale.estimate.memory_layout import Layout, layout_of
 from lightscale.estimate.model_states import PerParameter, bytes_per_parameter, zero_stage_bytes
 from lightscale.parallel.contract import TransformerShape
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.parallel.contract import TransformerShape
 from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 

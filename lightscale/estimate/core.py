@@ -29,7 +29,7 @@ from lightscale.estimate.activations import (
     pipeline_in_flight,
     transformer_activation_bytes,
 )
-from lightscale.estimate.layout import Layout, layout_of
+from lightscale.estimate.memory_layout import Layout, layout_of
 from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states
 from lightscale.estimate.parameters import rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 
 # Trainer precision -> bytes of one parameter as the module holds it.
 _PARAM_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}

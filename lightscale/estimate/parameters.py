@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
+from lightscale.layers.moe import MoE
 from lightscale.parallel.contract import network_of, tp_plan_of
-from lightscale.parallel.moe import MoE
 from lightscale.parallel.pipeline import stage_ids
 from lightscale.parallel.tensor_parallel import matching_modules
 

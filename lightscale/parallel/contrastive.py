@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
+from lightscale.runtime.collectives import all_gather_single, reduce_scatter_single
 
 _GROUPS: weakref.WeakKeyDictionary[Any, ProcessGroup | None] = weakref.WeakKeyDictionary()
 

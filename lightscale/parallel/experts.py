@@ -1,6 +1,6 @@
 """Expert parallelism: the routed experts of each MoE layer sharded over the ``ep`` ranks, tokens sent to them.
 
-Applied from outside the single-device :class:`~lightscale.parallel.moe.MoE` layer, as a torch ``ParallelStyle``
+Applied from outside the single-device :class:`~lightscale.layers.moe.MoE` layer, as a torch ``ParallelStyle``
 on its ``experts`` module (the torchtitan way): the stacked weights become DTensors sharded on the expert
 dimension (``Shard(0)`` over ``ep``: rank r holds experts ``[r * E/ep, (r+1) * E/ep)``), and the module's one call
 ``experts(tokens, counts)`` is wrapped:
@@ -36,12 +36,12 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import MoE
 from lightscale.parallel.mesh import expert_data_mesh
-from lightscale.parallel.moe import MoE
 
 
 class ExpertParallel(ParallelStyle):
-    """Shard a :class:`~lightscale.parallel.moe.GroupedExperts` over a 1-D ``ep`` mesh; dispatch and combine
+    """Shard a :class:`~lightscale.layers.moe.GroupedExperts` over a 1-D ``ep`` mesh; dispatch and combine
     its tokens by all-to-all. One instance per module (it keeps the splits between dispatch and combine)."""
 
     def __init__(self) -> None:
@@ -105,7 +105,7 @@ def check_expert_parallel(layers: Sequence[MoE], ep: int) -> None:
     """Raise ConfigurationError if ``ep`` ranks cannot split these layers' experts evenly (or there are none)."""
     if not layers:
         raise ConfigurationError(
-            f"ep={ep} shards MoE experts, but the model has no lightscale.parallel.moe.MoE layer "
+            f"ep={ep} shards MoE experts, but the model has no lightscale.layers.moe.MoE layer "
             "(GPT recipe: set model config `moe: {n_experts: ...}`). Use ep=1 for dense models."
         )
     bad = sorted({layer.config.n_experts for layer in layers if layer.config.n_experts % ep})

@@ -3,7 +3,7 @@
 ``fsdp2``, ``hsdp``, ``fsdp2_offload``, ``fsdp2_grad_op``, ``parallel_3d`` (each pipeline stage too) and the
 ``diloco`` family (inside each worker) all call
 :func:`parallelize_model`, so the same degrees give the same program whichever name chose them: float8 first when
-asked (it swaps Linear modules for torchao's Float8Linear; lightscale/parallel/float8.py), then tensor parallelism
+asked (it swaps Linear modules for torchao's Float8Linear; lightscale/layers/float8.py), then tensor parallelism
 (it changes parameters into DTensors on the ``tp`` axis), then expert parallelism (MoE experts become
 DTensors on the ``ep`` axis; lightscale/parallel/experts.py), then activation checkpointing and compile on the
 units (they wrap forward, not parameters), then FSDP2 on the data-parallel axes (it shards whatever is there),
@@ -24,12 +24,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from lightscale.layers.float8 import Float8Options, apply_float8, float8_tp_plan
+from lightscale.layers.moe import MoE
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
-from lightscale.parallel.float8 import Float8Options, apply_float8, float8_tp_plan
 from lightscale.parallel.fsdp import apply_fsdp
 from lightscale.parallel.mesh import data_parallel_mesh, expert_data_mesh
-from lightscale.parallel.moe import MoE
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 
 
@@ -44,7 +44,7 @@ class ParallelizeOptions:
     reshard_after_forward: bool = True
     root_reshard_after_forward: bool = False  # manual optimization (lightscale/parallel/fsdp.py apply_fsdp)
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
-    float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/parallel/float8.py)
+    float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/layers/float8.py)
     # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
     # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
     fsdp_over: Literal["data", "dp_shard", "none"] = "data"

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.moe import load_not_counted
+from lightscale.layers.moe import load_not_counted
 from lightscale.parallel.pipeline import check_microbatch_split, is_single_stage, schedule_class, stage_ids_owner
 
 # torch runs these only with backward (their forward-only mode still executes backward actions).

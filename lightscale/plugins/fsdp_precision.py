@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.float8 import Float8Options, precompute_float8_scales
+from lightscale.layers.float8 import Float8Options, precompute_float8_scales
 from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.plugins.precision_contract import DTYPES, FLOAT8, PRECISIONS, normalize_precision
 
@@ -97,7 +97,7 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
 
 class Float8Precision(_ShardedClipping, MixedPrecision):
     """float8 training: bf16-mixed (by FSDP's policy, or autocast where FSDP does not cast) with the eligible Linear
-    layers converted to torchao ``Float8Linear`` by the strategy's parallelize path (lightscale/parallel/float8.py);
+    layers converted to torchao ``Float8Linear`` by the strategy's parallelize path (lightscale/layers/float8.py);
     after each optimizer step the float8 scales of FSDP-sharded weights are computed in one all-reduce.
 
     ``precision="float8"`` (tensorwise) or ``"float8-rowwise"`` on the Trainer makes one for CUDA; pass an instance

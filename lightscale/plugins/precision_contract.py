@@ -33,7 +33,7 @@ Family = Literal["bucketed_ddp", "zero", "fsdp2", "parallel_3d"]
 Compression = Literal["none", "bf16", "fp16", "powersgd"]
 FAMILIES: tuple[Family, ...] = ("bucketed_ddp", "zero", "fsdp2", "parallel_3d")
 # The one list of precision names lightscale gives a meaning to (Lightning's "32" is normalised to "32-true").
-# The float8 names are torchao's recipes on top of bf16-mixed (lightscale/parallel/float8.py).
+# The float8 names are torchao's recipes on top of bf16-mixed (lightscale/layers/float8.py).
 FLOAT8 = {"float8": "tensorwise", "float8-rowwise": "rowwise"}
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", *FLOAT8)
 COMPRESSIONS = ("none", "bf16", "fp16")

@@ -9,8 +9,8 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.zero import ZeroStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
-from lightscale.strategies.parallel_3d import Parallel3DStrategy
-from lightscale.strategies.diloco import DiLoCoStrategy
+from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
+from lightscale.strategies.diloco.strategy import DiLoCoStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
 
 # isort: on

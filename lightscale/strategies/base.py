@@ -1,12 +1,12 @@
-"""The base every lightscale strategy shares, on :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
+"""The base every lightscale strategy shares, on :class:`~lightscale.runtime.processes.ProcessStrategy` (ranks,
 process group, collective timeout, failure watcher, collectives) and
-:class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` (checkpoints in the portable layout).
+:class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` (checkpoints in the portable layout).
 
 What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
 each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
 checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods, and
-teardown. Checkpoints in the one portable layout (lightscale/checkpoint/layout.py: any strategy's, at any world size)
-are lightscale/strategies/checkpointing.py's.
+teardown. Checkpoints in the one portable layout (lightscale/checkpoint/portable.py: any strategy's, at any world size)
+are lightscale/strategies/checkpoint_hooks.py's.
 
 What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -41,17 +41,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
+from lightscale.data.data_shard import DataShard, publish_data_shard
+from lightscale.data.loader_position import maybe_track_trained_position
+from lightscale.data.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
-from lightscale.parallel.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
-from lightscale.parallel.data_shard import DataShard, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
-from lightscale.strategies.checkpointing import CheckpointingStrategy
-from lightscale.strategies.loader_position import maybe_track_trained_position
-from lightscale.strategies.processes import DEFAULT_TIMEOUT_S
-from lightscale.strategies.sampler import exactly_once_loader, position_in_epoch, seed_workers_by_data_shard
+from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
+from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ class LightscaleStrategy(CheckpointingStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
     ``async_save=True`` and ``checkpoint_format``: see
-    :class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` (checkpoints in the portable layout).
+    :class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` (checkpoints in the portable layout).
 
     ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
     same batch; their batches are compared at the first training step and every that many steps after
-    (lightscale/parallel/batch_agreement.py), and a mismatch stops the run on every rank. ``None`` turns it off.
+    (lightscale/data/batch_agreement.py), and a mismatch stops the run on every rank. ``None`` turns it off.
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
@@ -92,7 +92,7 @@ class LightscaleStrategy(CheckpointingStrategy):
             cls.register_strategies(StrategyRegistry)
 
     def memory_layout(self, world_size: int) -> Layout:
-        """How one rank holds the model on ``world_size`` ranks (lightscale/estimate/layout.py); each family says."""
+        """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""
         described = [
             known.__name__ for known in REGISTERED if known.memory_layout is not LightscaleStrategy.memory_layout
         ]
@@ -163,10 +163,10 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (strategies/sampler.py): every
+        """Lightning's padding ``DistributedSampler`` becomes an ``ExactlyOnceSampler`` (data/sampler.py): every
         sample once per epoch per data-parallel group, resumed mid-epoch where the checkpoint left off; its workers
         seeded by the data shard, so ranks sharing one draw the same augmentations; a stateful stream saves the
-        position of the batches trained (strategies/loader_position.py)."""
+        position of the batches trained (data/loader_position.py)."""
         trainer = self.lightning_module.trainer
         kwargs = self.distributed_sampler_kwargs
         loader = exactly_once_loader(
@@ -177,7 +177,7 @@ class LightscaleStrategy(CheckpointingStrategy):
             position=position_in_epoch(trainer),
         )
         seed_workers_by_data_shard(loader, kwargs["rank"])
-        # A stream's saved position: the batches trained, not Lightning's look-ahead (strategies/loader_position.py).
+        # A stream's saved position: the batches trained, not Lightning's look-ahead (data/loader_position.py).
         return maybe_track_trained_position(loader, training=trainer.training)
 
     @property

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
 from lightscale.parallel.powersgd import validate_powersgd

@@ -24,7 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import choose, device_budget, format_plan, plan
 from lightscale.estimate.report import parse_bytes
 from lightscale.strategies.base import LightscaleStrategy

@@ -12,7 +12,7 @@ name               what is sharded                                              
 The model is built on the meta device in ``configure_model`` and materialized shard by shard after
 sharding (values equal single-device init with the same seed); then activation checkpointing, optional
 per-block compile and ``fully_shard`` are applied from outside (lightscale/parallel/). Checkpoints are
-DCP directories (lightscale/checkpoint/layout.py) that load on any number of ranks.
+DCP directories (lightscale/checkpoint/portable.py) that load on any number of ranks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units

@@ -4,7 +4,7 @@ An average is elementwise, so it needs no collective: every rank keeps a copy of
 tensor-parallel DTensor's local tensor, a ZeRO-3 partition, its own pipeline stages and experts, the whole tensor
 where the strategy replicates it) and updates it from the same shards of the live model. The average costs one
 shard of memory per rank and no gather per update; only a checkpoint save of ZeRO-3 gathers, one tensor at a time,
-as the ZeRO-3 save of the weights does (lightscale/checkpoint/zero_portable.py).
+as the ZeRO-3 save of the weights does (lightscale/zero/portable.py).
 
 Lightning builds the callback's ``AveragedModel`` in ``setup``, before the strategy shards the model, and its
 ``_swap_models`` / ``_copy_average_to_current`` / checkpoint hooks walk ``pl_module.parameters()`` (DTensors, empty
@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
-from lightscale.checkpoint.layout import read_checkpoint
-from lightscale.parallel.collectives import all_gather_single
+from lightscale.checkpoint.portable import read_checkpoint
+from lightscale.runtime.collectives import all_gather_single
 
 
 def local_shards(module: nn.Module, *, buffers: bool = True) -> dict[str, Tensor]:

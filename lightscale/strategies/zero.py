@@ -1,7 +1,7 @@
 """The ZeRO family on DeepSpeed's engine: zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.
 
 Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy. The engine config is generated
-(lightscale/strategies/deepspeed_config.py); the engine owns backward, gradient partitioning, clipping and the
+(lightscale/zero/config.py); the engine owns backward, gradient partitioning, clipping and the
 optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
 boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging.
 """
@@ -22,24 +22,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint
-from lightscale.checkpoint.deepspeed_dir import (
+from lightscale.checkpoint.portable import AVERAGED, lightning_rest, with_average, write_checkpoint
+from lightscale.checkpoint.zero_load import load_zero_state_dict
+from lightscale.errors import ConfigurationError
+from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
+from lightscale.estimate.plan import Plannable
+from lightscale.parallel.fsdp import check_shardable
+from lightscale.plugins.fsdp_precision import precision_name
+from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
+from lightscale.zero.checkpoint_dir import (
     CHECKPOINT_TAG,
     load_engine_directory,
     safe_checkpoint_engine,
     save_engine_directory,
 )
-from lightscale.checkpoint.layout import AVERAGED, lightning_rest, with_average, write_checkpoint
-from lightscale.checkpoint.zero_load import load_zero_state_dict
-from lightscale.checkpoint.zero_portable import group_parameter_names, zero_optimizer, zero_state_dict
-from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
-from lightscale.estimate.plan import Plannable
-from lightscale.parallel.fsdp import check_shardable
-from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
-from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
-from lightscale.strategies.deepspeed_config import (
+from lightscale.zero.config import (
     ZeroOptions,
     build_config,
     micro_batch_size,
@@ -47,7 +47,7 @@ from lightscale.strategies.deepspeed_config import (
     validate_user_config,
     writable_dir,
 )
-from lightscale.strategies.deepspeed_engine import (
+from lightscale.zero.engine import (
     EngineRoot,
     check_async_io,
     check_zero_optimizer,
@@ -58,7 +58,7 @@ from lightscale.strategies.deepspeed_engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
-from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
+from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -78,7 +78,7 @@ class ZeroStrategy(LightscaleStrategy):
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
-            number of ranks (lightscale/checkpoint/zero_portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            number of ranks (lightscale/zero/portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
             directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 

@@ -23,8 +23,8 @@ from helpers import train_tiny_gpt
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightscale.checkpoint.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.errors import ConfigurationError
+from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.strategies import FSDP2Strategy
 from lightscale.strategies.zero import ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.callbacks import MemoryProfiler
 from lightscale.estimate.activations import context_parallel_extra_bytes
+from lightscale.layers.moe import MoEConfig
 from lightscale.parallel.context_parallel import positions
-from lightscale.parallel.moe import MoEConfig
 from lightscale.recipes.gpt import GPTDataModule
 from lightscale.strategies import Parallel3DStrategy
 from lightscale.testing import RankFailed, run_distributed

@@ -21,11 +21,11 @@ from helpers import TINY, StopAfter, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
+from lightscale.data.sampler import ExactlyOnceSampler
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.moe import MoEConfig
+from lightscale.layers.moe import MoEConfig
 from lightscale.recipes.gpt import GPTModule
 from lightscale.strategies import Parallel3DStrategy
-from lightscale.strategies.sampler import ExactlyOnceSampler
 from lightscale.testing import RankFailed, run_distributed
 
 SAMPLES = 22  # 4 data-parallel ranks x batch 2: 2 full steps + 6 left (one short step); 2 ranks: 5 + 2 left

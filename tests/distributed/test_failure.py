@@ -91,7 +91,7 @@ def test_an_error_on_one_rank_ends_every_rank_quickly(
 
 CLEAN_EXIT = """
 import torch.distributed as dist
-from lightscale.strategies.failure import watch_for_failures
+from lightscale.runtime.failure import watch_for_failures
 
 dist.init_process_group("gloo")
 watch_for_failures(dist.get_rank(), interval_s=0.001)  # the watcher is inside a store call almost always

@@ -201,7 +201,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
 def _part(replica: int, rank: int, workers: int, ranks: int) -> list[int]:
     """The sample indices a rank of worker ``replica`` reads in epoch 0: Lightning's shuffled training order split
     over the workers' parts, then over the worker's ranks."""
-    from lightscale.strategies.sampler import ExactlyOnceSampler
+    from lightscale.data.sampler import ExactlyOnceSampler
 
     shard, shards = replica * ranks + rank, workers * ranks
     return list(ExactlyOnceSampler(range(SAMPLES), batch_size=BATCH, num_replicas=shards, rank=shard, shuffle=True))

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightscale.comm_counter import CollectiveCounter
 from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.fsdp2 import FSDP2Strategy
-from lightscale.strategies.parallel_3d import Parallel3DStrategy
+from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
 from lightscale.testing import run_distributed
 
 # Emulated float8 vs bf16-mixed, the tiny GPT, the recipe's AdamW, 50 steps: the mean over steps of the relative loss

@@ -11,7 +11,7 @@ from helpers import TINY, relative_difference, train_tiny_gpt
 
 from lightscale.checkpoint import SafeCheckpointIO
 from lightscale.checkpoint.convert import convert
-from lightscale.checkpoint.layout import TRAINER_STATE
+from lightscale.checkpoint.portable import TRAINER_STATE
 from lightscale.cli import main
 from lightscale.recipes.gpt import GPT
 from lightscale.testing import run_distributed

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from helpers import SGD_LR, TINY, relative_difference, train_tiny_gpt
 
-from lightscale.parallel.moe import MoEConfig, local, moe_layers
+from lightscale.layers.moe import MoEConfig, local, moe_layers
 from lightscale.strategies import Parallel3DStrategy
 from lightscale.testing import RankFailed, run_distributed
 

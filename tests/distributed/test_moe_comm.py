@@ -12,8 +12,8 @@ from helpers import SGD_LR, TINY, train_tiny_gpt
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightscale.layers.moe import MoE, MoEConfig, load_imbalance, moe_layers
 from lightscale.parallel.experts import apply_expert_parallel
-from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, moe_layers
 from lightscale.testing import run_distributed
 
 

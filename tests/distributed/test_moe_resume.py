@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 from helpers import TINY, relative_difference, train_tiny_gpt
 
-from lightscale.parallel.moe import MoEConfig
+from lightscale.layers.moe import MoEConfig
 from lightscale.strategies import Parallel3DStrategy
 from lightscale.testing import run_distributed
 

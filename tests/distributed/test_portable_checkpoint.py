@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint import SafeCheckpointIO
-from lightscale.checkpoint.layout import TRAINER_STATE
-from lightscale.parallel.moe import MoEConfig
+from lightscale.checkpoint.portable import TRAINER_STATE
+from lightscale.layers.moe import MoEConfig
 from lightscale.recipes.gpt import GPT
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, Parallel3DStrategy
 from lightscale.testing import run_distributed

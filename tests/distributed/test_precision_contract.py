@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import lightscale
-from lightscale.parallel.moe import MoE, MoEConfig
+from lightscale.layers.moe import MoE, MoEConfig
 from lightscale.parallel.pipeline import even_stage_split
 from lightscale.plugins.precision_contract import NAMES, PRECISIONS, meaning, refusal
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy

@@ -22,7 +22,7 @@ from helpers import SGD_LR, TINY, SGDGPTModule, StepLosses, quiet_trainer, relat
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import lightscale
-from lightscale.parallel.moe import MoEConfig
+from lightscale.layers.moe import MoEConfig
 from lightscale.strategies import Parallel3DStrategy
 from lightscale.testing import RankFailed, run_distributed
 

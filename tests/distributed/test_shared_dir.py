@@ -17,9 +17,9 @@ from helpers import TINY, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightscale.checkpoint.shared_dir import check_shared_dir
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPTModule
+from lightscale.storage.shared_dir import check_shared_dir
 from lightscale.testing import RankFailed, run_distributed
 
 

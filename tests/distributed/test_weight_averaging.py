@@ -25,7 +25,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import lightscale
-from lightscale.checkpoint.layout import full_model_state_dict
+from lightscale.checkpoint.portable import full_model_state_dict
 from lightscale.cli import main as cli
 from lightscale.commands.consolidate import consolidate
 from lightscale.strategies import BucketedDDPStrategy, ZeroStrategy

@@ -6,7 +6,7 @@ import pytest
 import torch
 from experts_reference import loop_experts
 
-from lightscale.parallel.grouped_mm import CUDA_GROUP_ROWS, group_rows, grouped_mlp
+from lightscale.layers.grouped_mm import CUDA_GROUP_ROWS, group_rows, grouped_mlp
 
 pytestmark = pytest.mark.gpu
 

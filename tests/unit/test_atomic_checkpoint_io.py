@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightscale.checkpoint import atomic_dir
-from lightscale.checkpoint.safe_io import SafeCheckpointIO
+from lightscale.storage.safe_io import SafeCheckpointIO
 
 
 def _killed_while(action: Any) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.checkpoint.layout import TRAINER_STATE, check_checkpoint_dir
+from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.urls import COMPLETE, RemotePath, checkpoint_location
 
 

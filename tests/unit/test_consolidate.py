@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from lightscale.checkpoint.safe_io import load_weights_only
 from lightscale.commands.consolidate import consolidate_command
 from lightscale.recipes.gpt import GPTConfig
+from lightscale.storage.safe_io import load_weights_only
 
 # In a fresh process: consolidate imports no recipe up front, yet reads a GPT file (its GPTConfig hyper-parameter
 # allow-listed once the recipe's module is imported by its recorded path); a lightscale class that no module
 # allow-lists is still refused.
 _FRESH_PROCESS = """
 import sys
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
+from lightscale.storage.safe_dcp import UnsafeCheckpointError
 from lightscale.commands.consolidate import consolidate
 assert not [m for m in sys.modules if m.startswith("lightscale.recipes.")], "recipes imported up front"
 consolidate(sys.argv[1], sys.argv[2])
@@ -36,7 +36,7 @@ def _lightning_file(path: Path, hyper_parameters: dict) -> Path:
 
 
 def test_consolidate_imports_only_the_recipe_a_file_names(tmp_path: Path) -> None:
-    from lightscale.parallel.float8 import Float8Options  # a plain dataclass no module allow-lists
+    from lightscale.layers.float8 import Float8Options  # a plain dataclass no module allow-lists
 
     gpt = _lightning_file(tmp_path / "gpt.ckpt", {"config": GPTConfig(n_layer=1, n_head=1, n_embd=8)})
     other = _lightning_file(tmp_path / "other.ckpt", {"float8": Float8Options()})

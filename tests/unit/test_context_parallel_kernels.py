@@ -10,7 +10,7 @@ from attention_reference import block_attention, block_backward
 from lightscale.parallel.context_parallel.blocks import Call, Partial, merge, plan
 from lightscale.parallel.context_parallel.kernels import block_backward as fused_backward
 from lightscale.parallel.context_parallel.kernels import block_forward, choose_kernel
-from lightscale.parallel.context_parallel.layout import chunk_ranges
+from lightscale.parallel.context_parallel.token_split import chunk_ranges
 
 BOUND = 1e-5
 SCALE = 0.3

@@ -18,7 +18,7 @@ from torch import nn
 import lightscale.checkpoint.convert
 from lightscale.checkpoint import convert as convert_module
 from lightscale.checkpoint.convert import convert, read_model_state
-from lightscale.checkpoint.layout import TRAINER_STATE, load_sharded
+from lightscale.checkpoint.portable import TRAINER_STATE, load_sharded
 from lightscale.cli import main
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPT

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import lightscale
+from lightscale.data.batch_agreement import BatchAgreement, batch_checksum, disagreements
+from lightscale.data.data_shard import COUNT_VARIABLE, INDEX_VARIABLE, VARIABLES, publish_data_shard
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.batch_agreement import BatchAgreement, batch_checksum, disagreements
-from lightscale.parallel.data_shard import COUNT_VARIABLE, INDEX_VARIABLE, VARIABLES, publish_data_shard
 from lightscale.parallel.mesh import ParallelDims
 
 
@@ -90,7 +90,7 @@ def test_check_runs_at_the_first_step_and_every_n() -> None:
     tp = BatchAgreement(ParallelDims(world_size=2, tp=2), every=3)
     checked = []
     with mock.patch(
-        "lightscale.parallel.batch_agreement.all_gather_single",
+        "lightscale.data.batch_agreement.all_gather_single",
         lambda out, local: checked.append(tp.steps - 1) or out.copy_(local.repeat(2)),
     ):
         for _ in range(7):

@@ -74,7 +74,7 @@ def _zero(**kwargs):
 
 
 def _ds_config(config):
-    from lightscale.strategies.deepspeed_config import validate_user_config
+    from lightscale.zero.config import validate_user_config
 
     return validate_user_config(config)
 
@@ -215,7 +215,7 @@ def _module(**kwargs):
 
 
 def _not_writable():
-    from lightscale.strategies.deepspeed_config import writable_dir
+    from lightscale.zero.config import writable_dir
 
     writable_dir(Path("/proc/lightscale_offload"))
 
@@ -238,7 +238,7 @@ def _averaged_of_a_file():
 
 def _averaged_missing():
     from lightscale.checkpoint.convert import save_model_dcp
-    from lightscale.checkpoint.layout import full_model_state_dict
+    from lightscale.checkpoint.portable import full_model_state_dict
 
     with tempfile.TemporaryDirectory() as tmp:
         save_model_dcp({"weight": torch.zeros(1)}, Path(tmp) / "c.ckpt")
@@ -325,7 +325,7 @@ def _forward_too_long():
 
 
 def _batches_disagree():
-    from lightscale.parallel.batch_agreement import batch_checksum, check_agreement
+    from lightscale.data.batch_agreement import batch_checksum, check_agreement
 
     dims = _dims(world_size=4, tp=2, pp=2)  # one data shard; each rank read its own batch, as by get_rank()
     batches = [torch.full((2, 8), float(rank)) for rank in range(4)]
@@ -350,13 +350,13 @@ def _stages(n_layer, stages):
 
 
 def _moe_layer(dim):
-    from lightscale.parallel.moe import MoE, MoEConfig
+    from lightscale.layers.moe import MoE, MoEConfig
 
     return MoE(dim, MoEConfig(n_experts=2))
 
 
 def _precision_section(name):
-    from lightscale.strategies.deepspeed_config import precision_section
+    from lightscale.zero.config import precision_section
 
     precision_section(name)
 
@@ -369,7 +369,7 @@ def _plain_lightning_strategy(name):
 
 
 def _cp_model(module, *, cp, tp=1, mode="ring", sequence_length=None):
-    from lightscale.strategies.context_parallel_step import check_context_parallel_model
+    from lightscale.strategies.parallel_3d.context_parallel_step import check_context_parallel_model
 
     check_context_parallel_model(module, cp=cp, tp=tp, mode=mode, sequence_length=sequence_length)
 
@@ -381,8 +381,8 @@ def _gpt_module(**config):
 
 
 def _cp_moe(**moe):
-    from lightscale.parallel.moe import MoEConfig
-    from lightscale.strategies.context_parallel_step import check_context_parallel_moe
+    from lightscale.layers.moe import MoEConfig
+    from lightscale.strategies.parallel_3d.context_parallel_step import check_context_parallel_moe
 
     module = _gpt_module(moe=MoEConfig(n_experts=4, top_k=2, **moe))
     with torch.device("meta"):
@@ -406,7 +406,7 @@ def _cp_masked_attention():
 
 
 def _cp_no_attention():
-    from lightscale.strategies.context_parallel_step import check_attention_calls
+    from lightscale.strategies.parallel_3d.context_parallel_step import check_attention_calls
 
     check_attention_calls(0, module_name="MyModel", cp=2)  # what the first training step found, summed over ranks
 
@@ -428,8 +428,8 @@ def _zero_fit(**trainer_kwargs):
 
 
 def _other_shape_checkpoint():
-    from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
     from lightscale.recipes.gpt import GPT
+    from lightscale.storage.shape_check import check_shapes, tensor_shapes
 
     saved = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
     model = GPT(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=32)).state_dict()

@@ -96,7 +96,7 @@ def test_tensor_and_pipeline_splits() -> None:
 
 @pytest.mark.parametrize(("ep", "dp"), [(2, 1), (2, 2), (4, 1)])
 def test_expert_parallel_splits_experts_over_ep_and_shards_the_dense_part_over_dp_x_ep(ep: int, dp: int) -> None:
-    from lightscale.parallel.moe import MoEConfig
+    from lightscale.layers.moe import MoEConfig
     from lightscale.strategies import Parallel3DStrategy
 
     module = GPTModule(dataclasses.replace(SMALL, moe=MoEConfig(n_experts=4, top_k=2)))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
 from lightscale.strategies import BucketedDDPStrategy
-from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
 
 
 def test_nccl_gets_a_trace_buffer_a_dump_on_timeout_and_a_run_local_file(tmp_path: Path) -> None:

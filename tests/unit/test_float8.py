@@ -11,7 +11,7 @@ from torch import nn
 
 import lightscale
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.float8 import Float8Options, apply_float8, ineligible_linears
+from lightscale.layers.float8 import Float8Options, apply_float8, ineligible_linears
 from lightscale.plugins.fsdp_precision import Float8Precision
 
 
@@ -75,7 +75,7 @@ def test_float8_tp_styles_replace_the_plain_ones_for_converted_layers_on_cuda() 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    from lightscale.parallel.float8 import float8_tp_plan
+    from lightscale.layers.float8 import float8_tp_plan
     from lightscale.recipes.gpt import GPTConfig
     from lightscale.recipes.gpt.model import GPT
     from lightscale.recipes.gpt.parallelize import gpt_tp_plan

@@ -6,8 +6,8 @@ import pytest
 import torch
 from experts_reference import loop_experts
 
-from lightscale.parallel.grouped_mm import check_expert_widths, grouped_mlp
-from lightscale.parallel.moe import MoE, MoEConfig
+from lightscale.layers.grouped_mm import check_expert_widths, grouped_mlp
+from lightscale.layers.moe import MoE, MoEConfig
 
 COUNTS = [5, 0, 11, 1, 0, 7]  # empty groups, a single row, sizes no alignment divides
 

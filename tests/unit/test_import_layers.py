@@ -10,6 +10,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
 
+# The floors of the house (docs/architecture.md's folder map): a part imports only parts on its floor or below.
+FLOORS = {
+    "lightscale.errors": 0,
+    "lightscale.saved_tensors": 0,
+    "lightscale.comm_counter": 0,
+    "lightscale.moved": 0,
+    "lightscale.runtime": 1,
+    "lightscale.storage": 1,
+    "lightscale.layers": 1,
+    "lightscale.resume": 1,
+    "lightscale.parallel": 2,
+    "lightscale.zero": 3,
+    "lightscale.data": 3,
+    "lightscale.plugins": 3,
+    "lightscale.estimate": 3,
+    "lightscale.checkpoint": 4,
+    "lightscale.strategies": 5,
+    "lightscale.callbacks": 6,
+    "lightscale.recipes": 6,
+    "lightscale.trainer": 7,
+    "lightscale.testing": 7,
+    "lightscale.doctor": 7,
+    "lightscale.commands": 7,
+    "lightscale.cli": 8,
+    "lightscale": 8,
+}
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -119,3 +146,19 @@ def test_no_lightscale_import_inside_a_function() -> None:
         if in_function
     ]
     assert not lazy, "imports of lightscale modules inside functions:\n" + "\n".join(lazy)
+
+
+def test_every_part_has_a_floor() -> None:
+    parts = {_part(_module_name(path)) for path in ROOT.rglob("*.py")}
+    assert not parts - set(FLOORS), f"place these in FLOORS (and docs/architecture.md): {sorted(parts - set(FLOORS))}"
+
+
+def test_imports_run_down_the_floors() -> None:
+    graph = _graph()
+    upward = [
+        f"{source} (floor {FLOORS[source]}) -> {target} (floor {FLOORS[target]}): {wheres[0]}"
+        for source, targets in graph.items()
+        for target, wheres in targets.items()
+        if FLOORS.get(target, 0) > FLOORS.get(source, 0)
+    ]
+    assert not upward, "imports that run up a floor:\n" + "\n".join(upward)

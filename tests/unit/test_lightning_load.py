@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import lightscale  # noqa: F401  (installs the hook)
-from lightscale.checkpoint.layout import write_checkpoint
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
-from lightscale.checkpoint.safe_io import save_atomically
+from lightscale.checkpoint.portable import write_checkpoint
+from lightscale.storage.safe_dcp import UnsafeCheckpointError
+from lightscale.storage.safe_io import save_atomically
 
 
 class Tiny(pl.LightningModule):

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 
-from lightscale.checkpoint.loader_state import gather_loader_states, take_own_loader_state
-from lightscale.parallel.data_shard import DataShard, forget_data_shard, publish_data_shard
-from lightscale.strategies.loader_position import TrainedPosition, maybe_track_trained_position
+from lightscale.data.data_shard import DataShard, forget_data_shard, publish_data_shard
+from lightscale.data.loader_position import TrainedPosition, maybe_track_trained_position
+from lightscale.data.loader_state import gather_loader_states, take_own_loader_state
 
 
 class Counting:

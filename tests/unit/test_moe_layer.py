@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import MoE, MoEConfig, capacity_mask, update_router_biases
 from lightscale.parallel.experts import check_expert_parallel, expert_major_order
 from lightscale.parallel.mesh import ParallelDims
-from lightscale.parallel.moe import MoE, MoEConfig, capacity_mask, update_router_biases
 from lightscale.recipes.gpt import GPTConfig
 from lightscale.recipes.gpt.model import flops_per_token
 from lightscale.recipes.gpt.parallelize import gpt_tp_plan, validate_gpt_moe, validate_gpt_plan
@@ -104,7 +104,7 @@ def test_expert_major_order_regroups_received_copies() -> None:
 
 
 def test_expert_parallel_validation() -> None:
-    with pytest.raises(ConfigurationError, match=r"no lightscale\.parallel\.moe\.MoE layer"):
+    with pytest.raises(ConfigurationError, match=r"no lightscale\.layers\.moe\.MoE layer"):
         check_expert_parallel([], 2)
     with pytest.raises(ConfigurationError, match=r"does not divide \[6\]"):
         check_expert_parallel([MoE(8, MoEConfig(n_experts=6))], 4)

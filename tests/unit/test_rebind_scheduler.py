@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lightscale.strategies.deepspeed_engine import rebind_scheduler
+from lightscale.zero.engine import rebind_scheduler
 
 
 def _swap(rebind: bool) -> list[str]:

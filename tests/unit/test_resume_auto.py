@@ -14,11 +14,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightscale
 from lightscale.callbacks import PeriodicCheckpoint
-from lightscale.checkpoint.safe_io import SafeCheckpointIO
 from lightscale.cli import main, resolve_resume_args
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPTDataModule, GPTModule
 from lightscale.resume import newest_checkpoint, resolve_resume
+from lightscale.storage.safe_io import SafeCheckpointIO
 
 
 def _make(path: Path, mtime: int, *, directory: bool = False) -> Path:

@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from lightscale.checkpoint.layout import _FLAT, TRAINER_STATE, load_sharded
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
+from lightscale.checkpoint.portable import _FLAT, TRAINER_STATE, load_sharded
 from lightscale.cli import main as lightscale_main
+from lightscale.storage.safe_dcp import UnsafeCheckpointError
 
 
 class Payload:

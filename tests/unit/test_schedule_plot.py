@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightscale.cli import main
-from lightscale.parallel.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
+from lightscale.commands.schedule_plot import idle_fractions, schedule_slots, theoretical_bubble
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -4,7 +4,7 @@ ulysses), routed from ``F.scaled_dot_product_attention`` by a torch function mod
 
 from lightscale.parallel.context_parallel.attention import MODES, Mode, context_parallel_attention
 from lightscale.parallel.context_parallel.dispatch import ContextParallelAttention, gather_sequence, positions
-from lightscale.parallel.context_parallel.layout import (
+from lightscale.parallel.context_parallel.token_split import (
     LAYOUTS,
     Layout,
     check_sequence_length,

@@ -53,7 +53,12 @@ from lightscale.parallel.context_parallel.comm import (
     send_to_next,
 )
 from lightscale.parallel.context_parallel.kernels import choose_kernel
-from lightscale.parallel.context_parallel.layout import Layout, check_sequence_length, chunk_ranges, local_positions
+from lightscale.parallel.context_parallel.token_split import (
+    Layout,
+    check_sequence_length,
+    chunk_ranges,
+    local_positions,
+)
 
 Mode = Literal["ring", "allgather", "ulysses"]
 _KV, _DKV = 0, 1  # point-to-point tags: a K/V hop and a dK/dV hop may be in flight between the same ranks

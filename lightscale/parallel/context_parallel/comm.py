@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightscale.parallel.collectives import all_gather_single, reduce_scatter_single
+from lightscale.runtime.collectives import all_gather_single, reduce_scatter_single
 
 
 class Pending:

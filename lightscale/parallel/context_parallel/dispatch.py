@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.context_parallel.attention import MODES, Mode, context_parallel_attention
-from lightscale.parallel.context_parallel.layout import LAYOUTS, Layout, local_positions, unshard_sequence
+from lightscale.parallel.context_parallel.token_split import LAYOUTS, Layout, local_positions, unshard_sequence
 
 _ACTIVE: list[ContextParallelAttention] = []  # the modes entered and not yet left, innermost last
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
+from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt.token_files import (
     BPETokenizer,
@@ -33,7 +34,6 @@ from lightscale.recipes.gpt.token_files import (
     token_dir_vocab,
     write_atomically,
 )
-from lightscale.strategies.sampler import position_in_epoch
 
 
 class Tokenizer(Protocol):

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightscale.layers.moe import MoE, MoEConfig
 from lightscale.parallel.context_parallel import positions
-from lightscale.parallel.moe import MoE, MoEConfig
 
 
 @dataclass
@@ -39,7 +39,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     tie_weights: bool = True
-    moe: MoEConfig | None = None  # mixture-of-experts feed-forward layers (lightscale/parallel/moe.py)
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward layers (lightscale/layers/moe.py)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

@@ -23,8 +23,8 @@ from typing_extensions import override
 
 from lightscale.checkpoint import allow_in_checkpoints
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.contract import TransformerShape
-from lightscale.parallel.moe import MoE, MoEConfig, load_imbalance, update_router_biases
 from lightscale.parallel.tensor_parallel import TPPlan
 from lightscale.recipes.gpt.data import GPTDataModule
 from lightscale.recipes.gpt.model import GPT, GPTConfig, flops_per_token

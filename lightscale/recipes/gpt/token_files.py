@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from lightscale.checkpoint.safe_io import atomic_path
 from lightscale.errors import ConfigurationError, import_extra
+from lightscale.storage.safe_io import atomic_path
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_BYTES = 256 * 4

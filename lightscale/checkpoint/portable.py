@@ -9,7 +9,7 @@ Layout of ``CKPT/``::
 DCP stores every tensor with its global shape and the offsets of each shard, so a checkpoint saved on N
 ranks loads on M (resharding) and, offline, into one full state dict (:func:`full_model_state_dict`, which
 ``lightscale export``/``convert`` use: lightscale/checkpoint/convert.py).
-Saves are atomic (lightscale/checkpoint/atomic_dir.py): all ranks write into ``CKPT.tmp``, then rank 0 swaps it in,
+Saves are atomic (lightscale/storage/atomic_dir.py): all ranks write into ``CKPT.tmp``, then rank 0 swaps it in,
 so a run killed mid-save always leaves the previous or the new checkpoint complete.
 
 Example:
@@ -39,14 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
-from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.checkpoint.averaged import AVERAGED
-from lightscale.checkpoint.layout_file import read_file_layout
-from lightscale.checkpoint.loader_state import gather_loader_states
+from lightscale.checkpoint.portable_file import read_file_layout
 from lightscale.checkpoint.rng import gather_rng_states
-from lightscale.checkpoint.safe_dcp import load_safely, safe_reader
-from lightscale.checkpoint.shape_check import check_shapes, tensor_shapes
+from lightscale.data.loader_state import gather_loader_states
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.storage.safe_dcp import load_safely, safe_reader
+from lightscale.storage.shape_check import check_shapes, tensor_shapes
 from lightscale.storage.urls import Location, RemotePath, is_complete, storage_writer
 
 TRAINER_STATE = "trainer_state.pt"

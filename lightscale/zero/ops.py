@@ -1,4 +1,4 @@
-"""Build DeepSpeed's CPU ops ahead of time: ``python -m lightscale.strategies.deepspeed_ops``.
+"""Build DeepSpeed's CPU ops ahead of time: ``python -m lightscale.zero.ops``.
 
 DeepSpeed compiles its CPU Adam (zero*_offload) and async I/O (zero_infinity) ops on first use. Run inside a
 training job, that compile takes minutes on every rank's clock (one rank builds, the others wait on its lock) and

@@ -8,7 +8,7 @@ over the ``dp_replicate`` group of each shard position. Every rank reads its own
 Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/checkpoint/diloco_state.py).
 With ``fault_tolerant=`` the launch is one worker and :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`
 meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others (what that
-adds to the strategy: lightscale/strategies/diloco_fault_tolerant.py).
+adds to the strategy: lightscale/strategies/diloco/fault_tolerant.py).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from lightscale.checkpoint.diloco_state import (
     load_global_state,
     read_diloco_state,
 )
-from lightscale.checkpoint.layout import write_checkpoint
+from lightscale.checkpoint.portable import write_checkpoint
+from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
-from lightscale.parallel.data_shard import DataShard
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
@@ -56,7 +56,7 @@ from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_mode
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import FLOAT8, enforce_contract
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
-from lightscale.strategies.diloco_fault_tolerant import (
+from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
     fault_tolerant_outer_sync,
     join_first_quorum,

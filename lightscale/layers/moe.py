@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightscale.parallel.grouped_mm import check_expert_widths, grouped_mlp
+from lightscale.layers.grouped_mm import check_expert_widths, grouped_mlp
 
 BALANCE_MODES = ("aux_loss", "bias", "none")
 _COUNTING = [True]  # False while a pipeline infers its shapes with an extra forward (not a training token)
@@ -126,7 +126,7 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """E GELU MLPs as stacked weights ``w1 [E, D, H]``, ``w2 [E, H, D]``, run by grouped GEMM
-    (lightscale/parallel/grouped_mm.py): one kernel per weight for all experts, on every device and dtype."""
+    (lightscale/layers/grouped_mm.py): one kernel per weight for all experts, on every device and dtype."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, *, out_std: float = 0.02) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ collective (``python -m torch.distributed.flight_recorder.fr_trace <dir>``). lig
 the process group exists, only for the nccl backend and only where the user has not set them; the files go to
 ``<default_root_dir>/flight_recorder/rank_<R>`` instead of torch's ``/tmp/nccl_trace_rank_<R>``, which a node's
 cleanup or a container's restart loses. gloo has no recorder: on CPU the stalled rank prints its own stack instead
-(:mod:`lightscale.strategies.failure`).
+(:mod:`lightscale.runtime.failure`).
 
 Example:
     >>> maybe_enable_flight_recorder("nccl", Path("runs"))  # before init_process_group

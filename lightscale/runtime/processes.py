@@ -2,7 +2,7 @@
 the process group (gloo on CPU, nccl on CUDA) with a collective timeout so a hang fails fast, the failure watcher
 that tells every rank when one raises, and the collectives Lightning calls (barrier, broadcast, reduce).
 
-:class:`~lightscale.strategies.checkpointing.CheckpointingStrategy` adds checkpoints on top, and
+:class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` adds checkpoints on top, and
 :class:`~lightscale.strategies.base.LightscaleStrategy` the model and the step.
 """
 
@@ -30,9 +30,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies.failure import announce_failure, watch_for_failures
-from lightscale.strategies.flight_recorder import maybe_enable_flight_recorder
-from lightscale.strategies.launch import Launcher, exit_with_launcher, restart_safe_store
+from lightscale.runtime.failure import announce_failure, watch_for_failures
+from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
+from lightscale.runtime.launch import Launcher, exit_with_launcher, restart_safe_store
 
 # A collective that waits this long is a hang: errors reach every rank through the failure watcher within seconds,
 # and the slow single-rank phases (prepare_data) wait at Lightning's own barrier, which has no timeout. Ten

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.collectives import all_gather_single
 from lightscale.parallel.mesh import AXIS_ORDER, ParallelDims
+from lightscale.runtime.collectives import all_gather_single
 
 # The axes whose ranks share one data shard, innermost first (the order a mismatch is reported in).
 SHARED_AXES = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline-parallel"}

@@ -1,7 +1,7 @@
-"""Checkpoints in the one portable layout (lightscale/checkpoint/layout.py), for every lightscale strategy: saved by
+"""Checkpoints in the one portable layout (lightscale/checkpoint/portable.py), for every lightscale strategy: saved by
 any, loaded by any at any world size (DCP reshards), or as Lightning's single file (``checkpoint_format="file"``).
 
-:class:`CheckpointingStrategy` sits between :class:`~lightscale.strategies.processes.ProcessStrategy` (ranks,
+:class:`CheckpointingStrategy` sits between :class:`~lightscale.runtime.processes.ProcessStrategy` (ranks,
 collectives) and :class:`~lightscale.strategies.base.LightscaleStrategy` (the model, the setup template, the step):
 Lightning's checkpoint hooks (``save_checkpoint``, ``load_checkpoint``, ``load_model_state_dict``), the background
 writer of ``async_save=True``, the multi-node shared-directory check, and what lightscale keeps beside Lightning's
@@ -24,7 +24,8 @@ from typing_extensions import override
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.averaged import to_lightning_convention
 from lightscale.checkpoint.hf_export import MODELS, describe_models
-from lightscale.checkpoint.layout import (
+from lightscale.checkpoint.lightning_format import describe_optimizers
+from lightscale.checkpoint.portable import (
     AVERAGED,
     load_sharded,
     read_rest,
@@ -32,16 +33,15 @@ from lightscale.checkpoint.layout import (
     saved_rng_states,
     trainer_state_of,
 )
-from lightscale.checkpoint.layout_file import forget_file_layout
-from lightscale.checkpoint.lightning_format import describe_optimizers
-from lightscale.checkpoint.loader_state import take_own_loader_state
+from lightscale.checkpoint.portable_file import forget_file_layout
 from lightscale.checkpoint.rng import restore_rng_states
-from lightscale.checkpoint.safe_io import SafeCheckpointIO
-from lightscale.checkpoint.shape_check import check_state_dict_shapes
-from lightscale.checkpoint.shared_dir import check_shared_dir
+from lightscale.data.loader_state import take_own_loader_state
 from lightscale.errors import ConfigurationError
+from lightscale.runtime.processes import ProcessStrategy
+from lightscale.storage.safe_io import SafeCheckpointIO
+from lightscale.storage.shape_check import check_state_dict_shapes
+from lightscale.storage.shared_dir import check_shared_dir
 from lightscale.storage.urls import Location, check_shared, checkpoint_location
-from lightscale.strategies.processes import ProcessStrategy
 
 
 class CheckpointingStrategy(ProcessStrategy):
@@ -95,7 +95,7 @@ class CheckpointingStrategy(ProcessStrategy):
 
     def check_checkpoint_dir(self, directory: str | Location) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
-        runs only; see lightscale/checkpoint/shared_dir.py). Each rank probes the path it resolved itself: the same
+        runs only; see lightscale/storage/shared_dir.py). Each rank probes the path it resolved itself: the same
         string naming different directories on different nodes is exactly the case to catch."""
         if self.num_nodes <= 1 or "://" in str(directory) or str(directory) in self._shared_dirs:
             return
@@ -133,7 +133,7 @@ class CheckpointingStrategy(ProcessStrategy):
     def save_single_file(self, checkpoint: dict[str, Any], path: Location) -> None:
         """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
         whole tensors) plus the ``lightscale`` entry of :meth:`trainer_state` (random states, optimizer groups), which
-        lets every strategy read it as the layout (lightscale/checkpoint/layout_file.py). Rank 0 writes, atomically."""
+        lets every strategy read it as the layout (checkpoint/portable_file.py). Rank 0 writes, atomically."""
         rest = self.trainer_state(checkpoint)  # collective
         if self.is_global_zero:
             # a WeightAveraging average as Lightning's own callback writes it (lightscale/checkpoint/averaged.py)

@@ -18,9 +18,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
-from lightscale.parallel.data_shard import DataShard
 from lightscale.parallel.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
 
 

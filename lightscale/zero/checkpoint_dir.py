@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightscale.checkpoint.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.checkpoint.safe_io import checkpoint_safe_globals, load_with_package_classes
-from lightscale.checkpoint.shape_check import check_shapes
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.storage.safe_io import checkpoint_safe_globals, load_with_package_classes
+from lightscale.storage.shape_check import check_shapes
 
 CHECKPOINT_TAG = "checkpoint"  # the engine's tag sub-directory inside every lightscale ZeRO checkpoint
 

@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.moe import moe_layers
+from lightscale.layers.moe import moe_layers
 
 
 def require_deepspeed() -> None:

@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import moe_layers
 from lightscale.parallel.context_parallel import MODES as CP_MODES
 from lightscale.parallel.contract import (
     check_hooks,
@@ -25,16 +26,15 @@ from lightscale.parallel.contract import (
     tp_plan_of,
 )
 from lightscale.parallel.fsdp import contains_module
-from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import prune_to, stage_ids, stage_ids_owner
 from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
 from lightscale.plugins.fsdp_precision import float8_options, mp_policy, precision_name
-from lightscale.strategies.context_parallel_step import check_context_parallel_model, predict_refusal
-from lightscale.strategies.pipeline_step import PipelinedModule
+from lightscale.strategies.parallel_3d.context_parallel_step import check_context_parallel_model, predict_refusal
+from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule
 
 if TYPE_CHECKING:
-    from lightscale.strategies.parallel_3d import Parallel3DStrategy
+    from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
 
 
 def check_model(strategy: Parallel3DStrategy, module: LightningModule) -> None:

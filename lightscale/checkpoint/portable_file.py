@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorPr
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightscale.checkpoint.averaged import AVERAGED_META, from_lightning_convention, without_lightning_entries
-from lightscale.checkpoint.safe_io import load_weights_only
 from lightscale.errors import ConfigurationError
+from lightscale.storage.safe_io import load_weights_only
 from lightscale.storage.urls import Location, RemotePath
 
 _LIGHTNING_TENSORS = ("state_dict", "optimizer_states")

@@ -5,15 +5,15 @@ for tp > 1, a pipeline split and a microbatch loss for pp > 1; with only dp it n
 whole module) is parallelized by the one path, lightscale/parallel/parallelize.py: TP, activation checkpointing,
 compile, FSDP2 - so ``parallel_3d`` with only dp and ``fsdp2`` run the same program.
 
-How a pipelined step fits Lightning's loop is lightscale/strategies/pipeline_step.py: the schedule runs forward
-*and* backward of every microbatch when the module's ``training_step`` calls ``self.loss(batch)``; the batch loss,
+How a pipelined step fits Lightning's loop is parallel_3d/pipeline_step.py: the schedule runs forward *and*
+backward of every microbatch when the module's ``training_step`` calls ``self.loss(batch)``; the batch loss,
 broadcast from the last stage, is returned on every rank, so ``self.log`` works unchanged. Clipping (by norm, over
 dp x tp x pp: the precision plugin's, lightscale/plugins/fsdp_precision.py), LR schedulers and optimizer steps are
 Lightning's. Validation, test and predict run a forward-only schedule (lightscale/parallel/pipeline_runtime.py).
 
 Context parallelism (``cp > 1``) changes no module: each step's batch is cut along the sequence and the model's SDPA
 calls are routed across the cp ranks while the step runs (and when checkpointed blocks are recomputed in backward);
-lightscale/strategies/context_parallel_step.py and docs/strategies/context_parallel.md.
+lightscale/strategies/parallel_3d/context_parallel_step.py and docs/strategies/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.layout import Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.layers.moe import moe_layers
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import data_parallel_roots, sharding_units
@@ -42,7 +43,6 @@ from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
 from lightscale.parallel.fsdp import check_shardable, contains_module
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
-from lightscale.parallel.moe import moe_layers
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
     schedule_class,
@@ -52,18 +52,18 @@ from lightscale.parallel.pipeline_runtime import Pipeline
 from lightscale.plugins.fsdp_precision import float8_options, parallel_3d_precision_plugin, precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.context_parallel_step import (
+from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,
 )
-from lightscale.strategies.parallel_3d_model import (
+from lightscale.strategies.parallel_3d.model import (
     build_pipeline,
     check_cp_options,
     check_model,
     parallelize_part,
     share_trained_stages,
 )
-from lightscale.strategies.pipeline_step import PipelinedModule, SplittableBatches
+from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule, SplittableBatches
 
 
 class Parallel3DStrategy(LightscaleStrategy):

@@ -20,8 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.data_shard import DataShard, data_shard
 
 
 def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""ZeRO state in the one portable checkpoint layout (lightscale/checkpoint/layout.py), both ways (the load side
+"""ZeRO state in the one portable checkpoint layout (lightscale/checkpoint/portable.py), both ways (the load side
 in lightscale/checkpoint/zero_load.py).
 
 Save: each parameter's full fp32 master weight and optimizer state are gathered with DeepSpeed's public

@@ -28,7 +28,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.data import AttributeDict
 from typing_extensions import override
 
-from lightscale.checkpoint.safe_dcp import UnsafeCheckpointError
+from lightscale.storage.safe_dcp import UnsafeCheckpointError
 from lightscale.storage.urls import Location, RemotePath, checkpoint_location, refuse_url_like
 
 _ALLOWED: list[Any] = []

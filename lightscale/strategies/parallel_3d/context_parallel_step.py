@@ -30,9 +30,9 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.distributed import ProcessGroup
 
 from lightscale.errors import ConfigurationError
+from lightscale.layers.moe import moe_layers
 from lightscale.parallel.context_parallel import ContextParallelAttention, Mode, check_sequence_length, shard_batch
 from lightscale.parallel.contract import has_hook, sequence_dims_of
-from lightscale.parallel.moe import moe_layers
 
 Reduce = Callable[..., Any]
 
