@@ -217,6 +217,15 @@ def complete_remote(target: RemotePath, staging: RemotePath) -> RemotePath:
     return staging if is_complete(staging) else target
 
 
+def refuse_remote(location: Location, what: str) -> None:
+    """Refuse an fsspec URL where only local files can be written, naming what to use instead."""
+    if is_remote(location):
+        raise ConfigurationError(
+            f"Checkpoint location {location}: {what} cannot write to a URL. Save the portable layout there "
+            "(checkpoint_format='dcp', the default), or use a local path."
+        )
+
+
 def check_shared(location: Location, world_size: int) -> None:
     """Refuse ``memory://`` for several processes: each process has its own memory filesystem."""
     if is_remote(location) and url_scheme(location) == "memory" and world_size > 1:

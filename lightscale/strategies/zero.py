@@ -31,6 +31,7 @@ from lightscale.parallel.fsdp import check_shardable
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.urls import refuse_remote
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
 from lightscale.zero.checkpoint_dir import (
@@ -328,9 +329,10 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
-        target = Path(self.broadcast(str(filepath)))
+        target = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
+            refuse_remote(target, "checkpoint_format='deepspeed' (DeepSpeed writes local files)")
             drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
@@ -350,7 +352,7 @@ class ZeroStrategy(LightscaleStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path = complete_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        path = complete_checkpoint(self.checkpoint_location(checkpoint_path))
         if (path / CHECKPOINT_TAG).is_dir():
             return load_engine_directory(self.engine, path, fitting=fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
