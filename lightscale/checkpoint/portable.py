@@ -44,7 +44,7 @@ from lightscale.checkpoint.portable_file import read_file_layout
 from lightscale.checkpoint.rng import gather_rng_states
 from lightscale.data.loader_state import gather_loader_states
 from lightscale.errors import ConfigurationError
-from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
+from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, publish
 from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.shape_check import check_shapes, tensor_shapes
 from lightscale.storage.urls import Location, RemotePath, is_complete, storage_writer
@@ -133,10 +133,7 @@ def write_checkpoint(
         rest = copy.deepcopy(trainer_state) if _rank() == 0 else None  # training goes on mutating loop states
         writer.save(path, state, None if rest is None else lambda staging: save_file(rest, staging / TRAINER_STATE))
         return
-    tmp = staging_path(path)
-    if _rank() == 0:
-        start_staging(path)
-    _barrier()
+    tmp = agreed_staging(path)
     dcp.save(state, storage_writer=storage_writer(tmp))
     if _rank() == 0:
         save_file(trainer_state, tmp / TRAINER_STATE)

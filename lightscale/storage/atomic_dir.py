@@ -30,9 +30,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch.distributed as dist
+
 from lightscale.storage.urls import (
     Location,
     RemotePath,
+    checkpoint_location,
     complete_remote,
     publish_remote,
     refuse_url_like,
@@ -54,17 +57,26 @@ def _trash_path(target: Path) -> Path:
 
 
 def start_staging(target: Location) -> Location:
-    """An empty ``TARGET.tmp`` (a crashed save's left-overs removed); call on one rank."""
+    """An empty ``TARGET.tmp`` (a crashed save's left-overs removed), where every rank then writes; call on one rank
+    and give the others its answer. Remote: possibly ``target`` itself (urls.py's ``start_remote_staging``)."""
     staging = staging_path(target)
-    if isinstance(staging, RemotePath):
-        start_remote_staging(staging)
-        return staging
+    if isinstance(staging, RemotePath) and isinstance(target, RemotePath):
+        return start_remote_staging(target, staging)
     refuse_url_like(target)
     for leftover in (staging, _trash_path(target)):
         if leftover.exists():
             shutil.rmtree(leftover)
     staging.parent.mkdir(parents=True, exist_ok=True)
     return staging
+
+
+def agreed_staging(path: Location) -> Location:
+    """Collective: where every rank writes checkpoint ``path``, as rank 0's :func:`start_staging` decided after
+    clearing it (nobody writes before)."""
+    where = [str(start_staging(path)) if (not dist.is_initialized() or dist.get_rank() == 0) else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(where, src=0)
+    return checkpoint_location(where[0]) if isinstance(path, RemotePath) else staging_path(path)
 
 
 def publish(staging: Location, target: Location) -> None:

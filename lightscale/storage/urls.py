@@ -8,11 +8,13 @@ has the few ``Path`` operations the checkpoint code uses (``/``, ``name``, ``par
 ``Path("s3://bucket/run")`` silently did). A scheme whose filesystem package is missing is refused when the location
 is made, before training, naming the package (``s3fs``, ``gcsfs``, ``adlfs``).
 
-Object stores have no rename, so the atomic commit of a checkpoint directory is: every rank writes under the staging
-prefix ``CKPT.tmp/``; rank 0 writes the completion marker :data:`COMPLETE` there last; then the previous ``CKPT/`` is
-unmarked and deleted, the staged objects are copied (server-side) to ``CKPT/``, its marker is written last, and the
-staging prefix is deleted, marker first. A remote directory without the marker is never read as a checkpoint; after
-a crash mid-publish :func:`complete_remote` finds the complete staged copy instead.
+Object stores have no rename, so the atomic commit of a checkpoint directory rests on a completion marker,
+:data:`COMPLETE`, written last: a remote directory without it is never read as a checkpoint. Where no complete
+checkpoint is at ``CKPT/`` (a new name: ModelCheckpoint's ``step=N.ckpt``), every rank writes straight into it and rank
+0 adds the marker. Where one is (``last.ckpt`` saved again), every rank writes under the staging prefix
+``CKPT.tmp/``; rank 0 marks it complete, then unmarks and deletes the previous ``CKPT/``, copies the staged objects
+(server-side) to ``CKPT/``, marks it, and deletes the staging prefix, marker first. After a crash mid-publish
+:func:`complete_remote` finds the complete staged copy.
 
 Example:
     >>> location = checkpoint_location("s3://bucket/run/last.ckpt")  # RemotePath, or ConfigurationError
@@ -189,13 +191,21 @@ Location = Path | RemotePath  # what checkpoint_location returns
 
 
 # ---- the atomic commit of a remote checkpoint directory -------------------------------------------------------
-def start_remote_staging(staging: RemotePath) -> None:
-    """Clear a crashed save's left-overs under the staging prefix (rank 0, before every rank writes)."""
+def start_remote_staging(target: RemotePath, staging: RemotePath) -> RemotePath:
+    """Where every rank writes ``target`` (rank 0 decides and clears it, before anyone writes): ``target`` itself when
+    it holds no complete checkpoint to keep (a new name, the usual case: no copy at publish), else ``staging``."""
     staging.remove()
+    if is_complete(target) or target.is_file():  # a checkpoint (directory or single file) to keep until published
+        return staging
+    target.remove()  # left-overs of a save that died before its marker: never complete, nothing to keep
+    return target
 
 
 def publish_remote(staging: RemotePath, target: RemotePath) -> None:
     """Make the fully written ``staging`` prefix the checkpoint ``target`` (rank 0, after every rank wrote)."""
+    if staging == target:  # written in place (nothing to keep was there): the marker completes it
+        (target / COMPLETE).write_bytes(b"")
+        return
     (staging / COMPLETE).write_bytes(b"")  # from here the staged copy is complete
     target.remove()  # marker first: from here until the copy's marker, loaders read the staged copy
     sources = [key for key in staging.files() if not key.endswith("/" + COMPLETE)]

@@ -87,7 +87,10 @@ def _fit(
     losses = StepLosses()
     callbacks: list[pl.Callback] = [losses]
     if dirpath is not None:
-        callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=SAVED_AT))
+        # step=N.ckpt: new names (written in place); last.ckpt: saved over by the resumed run (staged, then copied)
+        every = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=SAVED_AT, save_last=True)
+        every.enable_version_counter = False  # save over last.ckpt instead of writing last-v1.ckpt beside it
+        callbacks.append(every)
     trainer = quiet_trainer(
         _strategy(strategy, fmt),
         devices=ranks,
@@ -155,9 +158,9 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
     saved = _objects(prefix)
     if fmt == "dcp":
         assert {f"step={SAVED_AT}.ckpt/{name}" for name in (".metadata", "trainer_state.pt", COMPLETE)} <= set(saved)
-        assert sum(name.endswith(".distcp") for name in saved) == 2  # one shard file per rank
+        assert sum(name.startswith("step=") and name.endswith(".distcp") for name in saved) == 2  # a file per rank
     else:
-        assert saved == [f"step={SAVED_AT}.ckpt"]
+        assert saved == ["last.ckpt", f"step={SAVED_AT}.ckpt"]
     resume = f"{url}/step={SAVED_AT}.ckpt"
     second, resumed = run_distributed(
         _fit, strategy, max_steps=STEPS, dirpath=url, ckpt_path=resume, fmt=fmt, world_size=2, timeout_s=240
@@ -167,7 +170,8 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
     remaining = _objects(prefix)
     assert not any(name.startswith(f"step={SAVED_AT}.ckpt") for name in remaining)  # save_top_k=1 removed it
     assert not any(".tmp" in name for name in remaining)  # no staging prefix left behind
-    loaded = _load_in_fresh_process(f"{url}/step={STEPS}.ckpt", tmp_path / "w.pt", with_lightscale=fmt == "dcp")
+    assert fmt == "file" or f"last.ckpt/{COMPLETE}" in remaining
+    loaded = _load_in_fresh_process(f"{url}/last.ckpt", tmp_path / "w.pt", with_lightscale=fmt == "dcp")
     _assert_same(loaded, SafeCheckpointIO().load_checkpoint(local / f"step={STEPS}.ckpt")["state_dict"])
     if final:
         _assert_same(loaded, final)

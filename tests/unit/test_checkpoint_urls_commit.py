@@ -26,10 +26,10 @@ def _version(directory: RemotePath) -> str:
 
 
 def _save(target: RemotePath, version: str) -> None:
-    staging = start_staging(target)
-    assert isinstance(staging, RemotePath)
-    _write(staging, version)
-    publish(staging, target)
+    where = start_staging(target)
+    assert isinstance(where, RemotePath)
+    _write(where, version)
+    publish(where, target)
 
 
 @pytest.fixture
@@ -48,6 +48,26 @@ def test_publish_leaves_one_marked_directory(target: RemotePath) -> None:
     )
     assert not staging_path(target).exists()
     check_checkpoint_dir(target)
+
+
+def test_a_new_name_is_written_in_place_and_complete_only_with_its_marker(target: RemotePath) -> None:
+    where = start_staging(target)
+    assert where == target  # nothing to keep: no staging prefix, no copy at publish
+    _write(target, "v1 half")  # every shard, but the save died before rank 0 published
+    with pytest.raises(ConfigurationError, match="incomplete checkpoint"):
+        check_checkpoint_dir(complete_checkpoint(target))
+    _save(target, "v1")  # the next save clears the left-overs and writes in place again
+    assert not staging_path(target).exists() and _version(target) == "v1"
+    check_checkpoint_dir(target)
+
+
+def test_a_single_file_is_kept_until_the_directory_replacing_it_is_published(target: RemotePath) -> None:
+    target.write_bytes(b"a checkpoint_format='file' checkpoint")
+    staging = start_staging(target)
+    assert staging == staging_path(target) and target.is_file()
+    _write(staging, "v2")
+    publish(staging, target)
+    assert _version(target) == "v2" and (target / COMPLETE).is_file()
 
 
 def test_crash_before_publish_keeps_the_previous_checkpoint(target: RemotePath) -> None:
