@@ -88,8 +88,13 @@ def _fit(
     callbacks: list[pl.Callback] = [losses]
     if dirpath is not None:
         # step=N.ckpt: new names (written in place); last.ckpt: saved over by the resumed run (staged, then copied)
-        every = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=SAVED_AT, save_last=True)
-        every.enable_version_counter = False  # save over last.ckpt instead of writing last-v1.ckpt beside it
+        every = ModelCheckpoint(
+            dirpath=dirpath,
+            filename="{step}",
+            every_n_train_steps=SAVED_AT,
+            save_last=True,
+            enable_version_counter=False,  # save over last.ckpt instead of writing last-v1.ckpt beside it
+        )
         callbacks.append(every)
     trainer = quiet_trainer(
         _strategy(strategy, fmt),
