@@ -6,6 +6,10 @@ AWS variables point every client at it (``AWS_ENDPOINT_URL``, dummy credentials)
 (forked, spawned, or Lightning's launcher) write the same bucket. Leaving the block stops the server and restores the
 variables; objects live in its memory only.
 
+For runs whose ranks a launcher starts by re-running the script (Lightning's ``devices=N``, torchrun), start the server
+beside them instead: ``python -m lightscale.storage.local_s3 --port 9000 --bucket checkpoints`` serves until stopped
+and prints the variables to export.
+
 Example:
     >>> with local_s3_server(bucket="checkpoints"):
     ...     trainer = lightscale.Trainer(callbacks=[ModelCheckpoint(dirpath="s3://checkpoints/run")], ...)
@@ -13,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,11 +59,12 @@ def _clear_s3_clients() -> None:
 
 
 @contextmanager
-def local_s3_server(*, bucket: str = "checkpoints", start_timeout_s: float = 60.0) -> Iterator[str]:
-    """Run an S3 server on loopback with ``bucket`` created; yields its endpoint URL (see the module docstring)."""
+def local_s3_server(*, bucket: str = "checkpoints", port: int = 0, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run an S3 server on loopback (``port``; 0: a free one) with ``bucket`` created; yields its endpoint URL (see
+    the module docstring)."""
     import_extra("moto", "s3")
     import_extra("s3fs", "s3")
-    port = _free_port()
+    port = port or _free_port()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = {name: os.environ.get(name) for name in _ENV}
@@ -86,3 +93,23 @@ def local_s3_server(*, bucket: str = "checkpoints", start_timeout_s: float = 60.
             else:
                 os.environ[name] = value
         _clear_s3_clients()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A local S3 server (moto) on 127.0.0.1 with one bucket.")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--bucket", default="checkpoints")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the server process too (the finally block)
+    with local_s3_server(bucket=args.bucket, port=args.port) as endpoint:
+        variables = " ".join(f"{name}={os.environ[name]}" for name in _ENV)
+        print(f"S3 at {endpoint}, bucket s3://{args.bucket}; in the shell that trains:\nexport {variables}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
