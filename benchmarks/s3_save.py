@@ -47,6 +47,9 @@ class SaveTimer(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step
+        if step == WARMUP:  # one untimed save per target: clients and connections set up, as in a run's later saves
+            for where, target in self.targets.items():
+                trainer.save_checkpoint(f"{target}/{'last' if where == 's3 over' else 'warmup'}.ckpt")
         index = (step - WARMUP) // self.gap - 1
         if step <= WARMUP or (step - WARMUP) % self.gap or index >= len(self.order):
             return
@@ -84,6 +87,8 @@ def main() -> None:
         f"{s3_size / 2**20:.1f} MiB in the bucket), {args.strategy}, 2 CPU ranks, {args.repeats} ABBA repeats, medians:"
     )
     print("  one save: " + ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in times.items()))
+    every = {name: " ".join(f"{t * 1e3:.0f}" for t in seconds[0][name]) for name in TARGETS}
+    print("  every save (ms): " + "; ".join(f"{name} {values}" for name, values in every.items()))
     print(
         f"  S3 / local save time: new name {times['s3 new'] / times['local']:.2f}, "
         f"over last.ckpt {times['s3 over'] / times['local']:.2f}"
