@@ -72,7 +72,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         return importlib.import_module(MOVED[spec.name])
 
     def exec_module(self, module: ModuleType) -> None:
-        """Already executed under its new name."""
+        """Already executed under its new name; importlib just gave it the alias's ``__spec__``: its own back."""
+        module.__spec__ = importlib.util.spec_from_file_location(module.__name__, module.__file__)
 
     def get_code(self, fullname: str) -> CodeType | None:
         spec = importlib.util.find_spec(MOVED[fullname])

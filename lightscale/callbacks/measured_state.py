@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightscale.zero.partition import is_partitioned, partition
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -33,9 +35,8 @@ class ModelStateBytes:
 
 def local_tensor(tensor: Tensor) -> Tensor:
     """The part of ``tensor`` this rank stores."""
-    partition = getattr(tensor, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps the shard beside an empty param
-    if partition is not None:
-        return partition
+    if is_partitioned(tensor):  # DeepSpeed ZeRO-3 keeps the shard beside an empty (or, persistent, whole) param
+        return partition(tensor)
     if isinstance(tensor, DTensor):
         return tensor.to_local()
     return tensor
@@ -65,7 +66,7 @@ def model_state_bytes(
 def _parameter_tensors(module: nn.Module) -> Iterator[Tensor]:
     for param in module.parameters():
         yield local_tensor(param)
-        if getattr(param, "ds_tensor", None) is not None and param.data.numel() > 0:
+        if is_partitioned(param) and param.data.numel() > 0:
             yield param.data  # a ZeRO-3 parameter that is gathered right now (or persistent) holds both
 
 

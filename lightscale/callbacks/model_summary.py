@@ -26,11 +26,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parameter import UninitializedParameter
 from typing_extensions import override
 
+from lightscale.zero.partition import full_numel, is_partitioned
+
 
 def global_numel(parameter: nn.Parameter) -> int:
     """Elements of the whole parameter, whichever rank holds which part (0 if its shape is not known yet)."""
-    if hasattr(parameter, "ds_numel"):  # a DeepSpeed ZeRO-3 partition: the local tensor is empty
-        return int(parameter.ds_numel)
+    if is_partitioned(parameter):  # a DeepSpeed ZeRO-3 partition: the local tensor is empty
+        return full_numel(parameter)
     if isinstance(parameter, UninitializedParameter) and not isinstance(parameter, DTensor):
         return 0  # a lazy module before its first forward (a DTensor parameter passes this isinstance too)
     return parameter.numel()  # a DTensor's numel is its global one; a meta tensor has its declared shape

@@ -34,17 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning.fabric.plugins.io.torch_io as torch_io
-import lightning.pytorch.core.saving as saving
 import torch
 from lightning.pytorch.strategies.strategy import Strategy
 
 from lightscale.checkpoint.lightning_format import check_optimizers, is_lightscale_directory, lightning_checkpoint
+from lightscale.patches.lightning import route_checkpoint_loading
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import checkpoint_safe_globals
 from lightscale.storage.urls import Location, checkpoint_location
-
-_INSTALLED = "__lightscale_hook__"
 
 
 def _local_directory(path_or_url: Any) -> Location | None:
@@ -69,26 +66,14 @@ def _loader(original: Callable[..., Any], *, optimizer: bool) -> Callable[..., A
         with torch.serialization.safe_globals(checkpoint_safe_globals()):
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
-    setattr(load, _INSTALLED, True)
     return load
 
 
-def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_optimizer_state_dict(self: Strategy, checkpoint: Any) -> None:
-        if self.lightning_module is not None:
-            check_optimizers(checkpoint, self.lightning_module, self.optimizers)
-        original(self, checkpoint)
-
-    setattr(load_optimizer_state_dict, _INSTALLED, True)
-    return load_optimizer_state_dict
+def _check(strategy: Strategy, checkpoint: Any) -> None:
+    if strategy.lightning_module is not None:
+        check_optimizers(checkpoint, strategy.lightning_module, strategy.optimizers)
 
 
 def install_lightning_loading() -> None:
-    """Install the hooks (idempotent); ``import lightscale`` calls it."""
-    if not getattr(saving.pl_load, _INSTALLED, False):
-        saving.pl_load = _loader(saving.pl_load, optimizer=False)
-    if not getattr(torch_io.pl_load, _INSTALLED, False):
-        torch_io.pl_load = _loader(torch_io.pl_load, optimizer=True)
-    if not getattr(Strategy.load_optimizer_state_dict, _INSTALLED, False):
-        Strategy.load_optimizer_state_dict = _checked(Strategy.load_optimizer_state_dict)  # type: ignore[method-assign]
+    """Install the hooks (idempotent; ``import lightscale`` calls it). The rebinding: patches/lightning.py."""
+    route_checkpoint_loading(lambda original, optimizer: _loader(original, optimizer=optimizer), _check)

@@ -44,6 +44,7 @@ from lightscale.checkpoint.portable_file import read_file_layout
 from lightscale.checkpoint.rng import gather_rng_states
 from lightscale.data.loader_state import gather_loader_states
 from lightscale.errors import ConfigurationError
+from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, publish
 from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.shape_check import check_shapes, tensor_shapes
@@ -60,7 +61,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        barrier()
 
 
 def _rank() -> int:

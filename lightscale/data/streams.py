@@ -21,6 +21,7 @@ from typing import Any
 
 from lightscale.data.data_shard import data_shard
 from lightscale.errors import import_extra
+from lightscale.patches.litdata import set_stream_environment
 
 
 def shard_litdata(dataset: Any) -> Any:
@@ -29,11 +30,9 @@ def shard_litdata(dataset: Any) -> Any:
     litdata takes its split from ``dataset.distributed_env`` (world size, global rank, nodes), which it detects from
     torch.distributed when the dataset is built; this replaces it with the data shard, one node per shard count.
     """
-    env_module = import_extra("litdata.utilities.env", "litdata")
+    import_extra("litdata.utilities.env", "litdata")  # the extra named before anything is set
     shard = data_shard()
-    env = env_module._DistributedEnv(world_size=shard.count, global_rank=shard.index, num_nodes=1)
-    for stream in getattr(dataset, "_datasets", [dataset]):  # CombinedStreamingDataset holds several
-        stream.distributed_env = env
+    set_stream_environment(dataset, world_size=shard.count, global_rank=shard.index, num_nodes=1)
     return dataset
 
 

@@ -80,7 +80,7 @@ def layout_of(strategy: str | Strategy | Layout, *, world_size: int) -> Layout:
     if isinstance(strategy, Layout):
         return strategy
     if isinstance(strategy, str):
-        return build_registered(strategy).memory_layout(world_size).with_(name=strategy)
+        return registered_layout(strategy, world_size).with_(name=strategy)
     if not isinstance(strategy, DescribesMemory):
         raise ConfigurationError(
             f"No memory layout for {type(strategy).__name__}: lightscale estimates strategies with a memory_layout "
@@ -89,14 +89,16 @@ def layout_of(strategy: str | Strategy | Layout, *, world_size: int) -> Layout:
     return strategy.memory_layout(world_size)
 
 
-def build_registered(name: str) -> DescribesMemory:
-    """The strategy registered as ``name`` in Lightning's ``StrategyRegistry``, built (nothing starts)."""
+def registered_layout(name: str, world_size: int) -> Layout:
+    """The layout of the strategy registered as ``name``, read from its class (``layout_for``) and the registered
+    init parameters: no instance is built where the class can answer alone, so a strategy whose engine is an extra
+    (ZeRO: DeepSpeed) is described without it."""
     if name not in StrategyRegistry:
         closest = difflib.get_close_matches(name.lower(), StrategyRegistry.available_strategies(), n=1, cutoff=0.5)
         hint = f" Did you mean {closest[0]!r}?" if closest else ""
         raise ConfigurationError(f"Unknown strategy {name!r}.{hint} Run `lightscale strategies` for the names.")
     entry = StrategyRegistry[name]
-    strategy = entry["strategy"](**entry["init_params"])
-    if not isinstance(strategy, DescribesMemory):
+    layout_for = getattr(entry["strategy"], "layout_for", None)
+    if layout_for is None:
         raise ConfigurationError(f"{name!r} is not a lightscale strategy; run `lightscale strategies` for the names.")
-    return strategy
+    return layout_for(world_size, **entry["init_params"])

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Plannable:
     activation_checkpointing: str | None = None  # None: the strategy's own mode
     tp: int = 1  # > 1: only for models with a TP plan, on a world size this divides
     cp: int = 1  # > 1: only for declared transformers (transformer_shape: SDPA attention), on a world size it divides
+    needs: str | None = None  # the module of an optional engine (an extra): without it the row is shown, never chosen
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Candidate:
     note: str
     estimate: MemoryEstimate
     fits: bool
+    missing: str | None = None  # the engine this candidate needs and this environment lacks
 
 
 def plan(
@@ -80,9 +83,12 @@ def plan(
             activation_checkpointing=option.activation_checkpointing,
             activations=has_hook(module, "transformer_shape"),  # else model states only: no forward at plan time
         )
-        fits = est.device_total <= budget
+        missing = option.needs if option.needs and importlib.util.find_spec(option.needs) is None else None
+        fits = est.device_total <= budget and missing is None
         candidates.append(
-            Candidate(option.strategy, est.activation_checkpointing, option.communication, option.note, est, fits)
+            Candidate(
+                option.strategy, est.activation_checkpointing, option.communication, option.note, est, fits, missing
+            )
         )
     return candidates
 
@@ -105,7 +111,7 @@ def format_plan(candidates: list[Candidate], *, budget: float) -> str:
         lines.append(
             f"  {c.strategy:<14} {c.activation_checkpointing:<9} {c.communication:<18} "
             f"{human(c.estimate.device_total):>11} {human(c.estimate.host_total):>11}  "
-            f"{'yes' if c.fits else 'no':<3}{mark}"
+            f"{'yes' if c.fits else 'no':<3}{mark}{f'  (needs the [{c.missing}] extra)' if c.missing else ''}"
         )
     if chosen is None:
         lines.append("  nothing fits: lower the micro-batch, add ranks, or raise the budget")

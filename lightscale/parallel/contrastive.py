@@ -9,7 +9,7 @@ the rank that owns those features and sums them (a reduce-scatter SUM), so each 
 *averages* gradients over the data-parallel ranks - bucketed_ddp's all-reduce, ZeRO's and FSDP2's reduce-scatter,
 HSDP's both, parallel_3d's dp axes - which supplies the ``1/W``. A parameter used on every rank outside the gather
 (the logit scale) gets ``1/W Σ_r dL_r/dscale`` the same way. Tensor- and pipeline-parallel ranks share a batch,
-so the gather spans the data-parallel group only (:func:`data_parallel_group`).
+so the gather spans the ranks with batches of their own only (:func:`data_parallel_group`: dp x ep).
 
 Uneven batches: ``pad_to`` pads this rank's rows to a size every rank agrees on and gathers a validity column in
 the same collective; padded rows and columns are masked and the loss is normalized by the true global count.
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightscale.parallel.mesh import batch_mesh
 from lightscale.runtime.collectives import all_gather_single, reduce_scatter_single
 
 _GROUPS: weakref.WeakKeyDictionary[Any, ProcessGroup | None] = weakref.WeakKeyDictionary()
@@ -38,26 +39,16 @@ _GROUPS: weakref.WeakKeyDictionary[Any, ProcessGroup | None] = weakref.WeakKeyDi
 def data_parallel_group(strategy: Any) -> ProcessGroup | None:
     """The ranks that hold different batches under ``strategy`` (None: one process). Cached per strategy.
 
-    lightscale strategies: the ``dp_replicate x dp_shard`` ranks of their mesh (the whole world unless tensor or
-    pipeline parallelism is on). Any other strategy: the world.
+    lightscale strategies: the ranks with batches of their own, ``dp x ep`` (parallel/mesh.py ``batch_mesh``; the
+    whole world unless tensor, context or pipeline parallelism is on). Any other strategy: the world.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if strategy not in _GROUPS:
         dims = getattr(strategy, "dims", None)
-        _GROUPS[strategy] = dist.group.WORLD if dims is None or dims.dp == dims.world_size else _subgroup(strategy)
+        whole = dims is None or dims.data_shards == dims.world_size
+        _GROUPS[strategy] = dist.group.WORLD if whole else batch_mesh(strategy.device_mesh).get_group()
     return _GROUPS[strategy]
-
-
-def _subgroup(strategy: Any) -> ProcessGroup:
-    """This rank's group of data-parallel peers; every rank creates every group (a collective call)."""
-    mesh = strategy.device_mesh
-    names = list(mesh.mesh_dim_names)
-    data = [names.index("dp_replicate"), names.index("dp_shard")]  # innermost after the permute: one group per row
-    others = [axis for axis in range(len(names)) if axis not in data]
-    groups = mesh.mesh.permute(*others, *data).reshape(-1, strategy.dims.dp).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(groups, backend=dist.get_backend())
-    return group
 
 
 class _GatherWithGrad(torch.autograd.Function):

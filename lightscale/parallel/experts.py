@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import MoE
-from lightscale.parallel.mesh import expert_data_mesh
+from lightscale.parallel.mesh import axis, expert_data_mesh
 
 
 class ExpertParallel(ParallelStyle):
@@ -139,7 +139,7 @@ def shard_experts_over_data(
     (dp_shard x ep x cp), as for the dense part.
     """
     replicas = expert_data_mesh(mesh)
-    factor = float(replicas.size() * mesh["ep"].size())
+    factor = float(replicas.size() * axis(mesh, "ep").size())
     for layer in layers:
         fully_shard(layer.experts, mesh=replicas, mp_policy=mp_policy or MixedPrecisionPolicy())
         layer.experts.set_gradient_divide_factor(factor)

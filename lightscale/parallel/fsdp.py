@@ -239,13 +239,13 @@ def _reset_module_shards(module: nn.Module, device: torch.device, done: set[int]
     originals = dict(module.named_parameters(recurse=False))
     full = {name: torch.empty(_full_shape(p), dtype=p.dtype, device=device) for name, p in originals.items()}
     for name, tensor in full.items():
-        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
     try:
         with torch.no_grad():
             module.reset_parameters()
     finally:
         for name, param in originals.items():
-            module._parameters[name] = param
+            module.register_parameter(name, param)
     for name, param in originals.items():
         if id(param) not in done:
             _copy_local_slice(param, full[name])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,6 +23,7 @@ from lightscale.errors import ConfigurationError
 # Outer to inner: pipeline stages talk least, tensor-parallel ranks talk most, so tp is the fastest-varying axis;
 # context-parallel ranks exchange K/V every attention layer, next to tp.
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+Role = Literal["tp", "ep", "pp", "cp", "dp_shard", "dp_replicate"]
 
 
 @dataclass
@@ -154,6 +155,21 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh["dp_replicate"].size() > 1:
         return _replicas_by_shards(mesh, shard)
     return shard
+
+
+def axis(mesh: DeviceMesh, role: Role) -> DeviceMesh:
+    """The one-axis mesh of a role: ``"tp"`` (tensor parallel), ``"ep"`` (expert parallel), ``"pp"`` (pipeline),
+    ``"dp_shard"`` (the ranks one model copy is sharded over; a DiLoCo worker's own ranks), ``"dp_replicate"`` (the
+    model copies; DiLoCo's workers). The only place outside this module's own functions that indexes an axis."""
+    return mesh[role]
+
+
+def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that read different batches, flattened: ``dp_replicate x dp_shard x ep`` (expert-parallel ranks have
+    batches of their own; tp, cp and pp ranks share one). One rule for whatever spans the global batch: the
+    sampler's shards (:meth:`ParallelDims.data_rank`), the contrastive gather (parallel/contrastive.py)."""
+    axes = [axis for axis in ("dp_replicate", "dp_shard", "ep") if mesh[axis].size() > 1]
+    return _flattened(mesh, axes or ["dp_shard"])
 
 
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -29,7 +29,7 @@ from lightscale.layers.moe import MoE
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
 from lightscale.parallel.fsdp import apply_fsdp
-from lightscale.parallel.mesh import data_parallel_mesh, expert_data_mesh
+from lightscale.parallel.mesh import axis, data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 
 
@@ -69,18 +69,18 @@ def parallelize_model(
     (x ``cp``). Context parallelism changes no module: attention is routed at run time (the strategy's step).
     """
     network = network if network is not None else root
-    dp_mesh = mesh["dp_shard"] if options.fsdp_over == "dp_shard" else data_parallel_mesh(mesh)
+    dp_mesh = axis(mesh, "dp_shard") if options.fsdp_over == "dp_shard" else data_parallel_mesh(mesh)
     shards = options.fsdp_over != "none" and (dp_mesh.size() > 1 or options.always_shard)
     if options.float8 is not None:  # swaps Linear modules: before anything holds them
-        apply_float8(network, options.float8, fsdp_all_gather=shards, tp=mesh["tp"].size())
-    if mesh["tp"].size() > 1:
+        apply_float8(network, options.float8, fsdp_all_gather=shards, tp=axis(mesh, "tp").size())
+    if axis(mesh, "tp").size() > 1:
         assert tp_plan is not None, "tp > 1 needs a plan (lightscale.parallel.contract.tp_plan_of)"
         if options.float8 is not None:
             tp_plan = float8_tp_plan(tp_plan, network, options.float8, device_type=mesh.device_type)
-        apply_tp_plan(network, mesh["tp"], tp_plan, strict=False)
+        apply_tp_plan(network, axis(mesh, "tp"), tp_plan, strict=False)
     ignored: set[nn.Parameter] = set()
-    if mesh["ep"].size() > 1 and moe_layers:  # a pipeline stage may hold none
-        apply_expert_parallel(moe_layers, mesh["ep"])
+    if axis(mesh, "ep").size() > 1 and moe_layers:  # a pipeline stage may hold none
+        apply_expert_parallel(moe_layers, axis(mesh, "ep"))
         ignored = expert_parameters(moe_layers)
     apply_activation_checkpointing(units, mode=options.activation_checkpointing)
     maybe_compile_units(units, enabled=options.compile)

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import load_not_counted
 from lightscale.parallel.pipeline import check_microbatch_split, is_single_stage, schedule_class, stage_ids_owner
+from lightscale.patches.torch_internals import wrap_stage_method
 
 # torch runs these only with backward (their forward-only mode still executes backward actions).
 SCHEDULES_WITHOUT_EVAL = frozenset({"zbv"})
@@ -89,7 +90,7 @@ class Pipeline:
             for index, module in self.stage_modules.items()
         ]
         for stage in stages:
-            stage._prepare_forward_infra = _load_not_counted(stage._prepare_forward_infra)
+            wrap_stage_method(stage, "_prepare_forward_infra", _load_not_counted)  # patches/torch_internals.py
         cls = schedule_class(self.schedule_name)
         return cls(stages[0] if is_single_stage(self.schedule_name) else stages, self.microbatches, loss_fn=loss_fn)
 

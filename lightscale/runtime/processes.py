@@ -30,6 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.runtime.barrier import barrier
 from lightscale.runtime.failure import announce_failure, watch_for_failures
 from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
 from lightscale.runtime.launch import Launcher, exit_with_launcher, restart_safe_store
@@ -119,7 +120,9 @@ class ProcessStrategy(ParallelStrategy):
         if not dist.is_initialized():
             self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
             store = restart_safe_store(self._timeout)
-            kwargs = {"store": store} if store is not None else {}
+            kwargs: dict[str, Any] = {"store": store} if store is not None else {}
+            if self.root_device.type != "cpu":  # NCCL binds the group to this rank's device, as Lightning's ddp does
+                kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
             # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
             atexit.register(_destroy_process_group)
@@ -139,7 +142,7 @@ class ProcessStrategy(ParallelStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

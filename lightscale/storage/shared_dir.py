@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
+from lightscale.runtime.barrier import barrier
 
 DEFAULT_WAIT_S = 5.0
 
@@ -40,14 +41,14 @@ def nodes_seen(directory: Path, *, node_rank: int, local_rank: int, num_nodes: i
     if local_rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         _marker(directory, node_rank, token).touch()
-    dist.barrier()
+    barrier()
     deadline = time.monotonic() + wait_s
     while True:
         seen = [node for node in range(num_nodes) if _marker(directory, node, token).exists()]
         if len(seen) == num_nodes or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    dist.barrier()
+    barrier()
     if local_rank == 0:
         _marker(directory, node_rank, token).unlink(missing_ok=True)
     return seen

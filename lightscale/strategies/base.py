@@ -39,6 +39,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
@@ -99,6 +101,12 @@ class LightscaleStrategy(CheckpointingStrategy):
         raise ConfigurationError(
             f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
         )
+
+    @classmethod
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner. Built
+        and asked here; a class whose construction needs its engine answers from the parameters alone (ZeRO)."""
+        return cls(**init_params).memory_layout(world_size)
 
     def __init__(
         self,
@@ -234,7 +242,19 @@ class LightscaleStrategy(CheckpointingStrategy):
         """The pieces of ``module``'s (default: the LightningModule's) parameters and buffers this rank holds, by name:
         writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
         an EMA (lightscale/strategies/weight_averaging.py)."""
-        return local_shards(module if module is not None else self.lightning_module)
+        return local_shards(module if module is not None else self.lightning_module, self)
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The one local-shard rule: the piece of ``tensor`` this rank holds, a writable alias (a DTensor's local
+        tensor, else the tensor). An engine that keeps parameters its own way answers in its strategy (ZeRO)."""
+        return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
+
+    def after_local_write(self, module: nn.Module) -> None:
+        """After writing into local shards (an average swapped in): FSDP2 roots left unsharded by an eval forward
+        would keep serving their stale gathered weights, so they reshard."""
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
 
     def configure_precision(self, plugin: Precision) -> Precision:
         """The precision plugin this strategy runs with (checked against its column of the precision contract)."""

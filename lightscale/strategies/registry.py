@@ -12,14 +12,12 @@ Example:
 from __future__ import annotations
 
 import difflib
-import functools
-from typing import Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
-from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.plan import Plannable
+from lightscale.patches.lightning import check_strategy_names
 from lightscale.strategies.base import REGISTERED, LightscaleStrategy
 
 
@@ -87,14 +85,4 @@ def check_strategy_in_lightning() -> None:
         >>> import lightscale, lightning
         >>> lightning.Trainer(strategy="zero3_ofload")  # ConfigurationError: ... Did you mean 'zero3_offload'?
     """
-    original = _AcceleratorConnector._check_config_and_set_final_flags
-    if getattr(original, "_lightscale_checked", False):
-        return
-
-    @functools.wraps(original)
-    def checked(self: _AcceleratorConnector, strategy: str | Strategy, *args: Any, **kwargs: Any) -> None:
-        check_strategy(strategy)
-        original(self, strategy, *args, **kwargs)
-
-    checked._lightscale_checked = True  # type: ignore[attr-defined]
-    _AcceleratorConnector._check_config_and_set_final_flags = checked  # type: ignore[method-assign]
+    check_strategy_names(check_strategy)  # the rebinding and why: lightscale/patches/lightning.py

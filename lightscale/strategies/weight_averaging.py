@@ -29,10 +29,9 @@ Example (an EMA a user writes on the hooks, under any strategy)::
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,33 +39,31 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
 from lightscale.checkpoint.portable import read_checkpoint
+from lightscale.patches.lightning import give_weight_averaging, weight_averaging_settings
 from lightscale.runtime.collectives import all_gather_single
+from lightscale.zero.partition import full_numel, full_shape, is_partitioned
 
 
-def local_shards(module: nn.Module, *, buffers: bool = True) -> dict[str, Tensor]:
-    """The tensors of ``module``'s parameters (then buffers) that this rank holds, by name: writable aliases.
+class HoldsShards(Protocol):
+    """What the average asks of the strategy (lightscale/strategies/base.py; ZeRO answers in strategies/zero.py)."""
 
-    A DTensor gives its local tensor, a ZeRO-3 parameter its partition (``ds_tensor``; a persistent one, kept whole
-    on every rank, its data), anything else itself.
-    """
-    out = {name: _local(param) for name, param in module.named_parameters()}
+    def local_shard(self, tensor: Tensor) -> Tensor: ...
+
+    def after_local_write(self, module: nn.Module) -> None: ...
+
+
+def local_shards(module: nn.Module, holder: HoldsShards, *, buffers: bool = True) -> dict[str, Tensor]:
+    """The tensors of ``module``'s parameters (then buffers) that this rank holds, by name: writable aliases, by the
+    one rule of ``holder.local_shard``."""
+    out = {name: holder.local_shard(param) for name, param in module.named_parameters()}
     if buffers:
-        out.update((name, _local(buffer)) for name, buffer in module.named_buffers())
+        out.update((name, holder.local_shard(buffer)) for name, buffer in module.named_buffers())
     return out
-
-
-def _local(tensor: Tensor) -> Tensor:
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()  # an alias of the local shard: writes reach the parameter
-    if hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False):
-        return tensor.ds_tensor.detach()
-    return tensor.detach()
 
 
 class LocalShards(nn.Module):
@@ -82,13 +79,14 @@ class ShardAverage(AveragedModel):
     """torch's ``AveragedModel`` over this rank's local shards of a module; ``update_parameters(module)`` takes the
     live (sharded) module itself. Built from clones, so it holds exactly one shard of memory."""
 
-    def __init__(self, module: nn.Module, *, use_buffers: bool, **kwargs: Any) -> None:
-        clones = {name: t.clone() for name, t in local_shards(module, buffers=use_buffers).items()}
+    def __init__(self, module: nn.Module, holder: HoldsShards, *, use_buffers: bool, **kwargs: Any) -> None:
+        clones = {name: t.clone() for name, t in local_shards(module, holder, buffers=use_buffers).items()}
         super().__init__(LocalShards(clones), use_buffers=True, **kwargs)  # the shards' buffers are its parameters
         self._buffers_too = use_buffers
+        self.holder = holder
 
     def live(self, module: nn.Module) -> list[Tensor]:
-        return list(local_shards(module, buffers=self._buffers_too).values())
+        return list(local_shards(module, self.holder, buffers=self._buffers_too).values())
 
     def shards(self) -> list[Tensor]:
         return [p.detach() for p in self.module.shards]
@@ -104,7 +102,7 @@ class ShardAverage(AveragedModel):
 @torch.no_grad()
 def swap_into(average: ShardAverage, module: nn.Module, *, keep: bool) -> None:
     """Exchange the average with ``module``'s local shards (``keep=False``: copy it in, keep nothing)."""
-    _reshard(module)  # an FSDP2 root left unsharded by an eval forward would keep serving stale weights
+    average.holder.after_local_write(module)  # an FSDP2 root left unsharded by an eval forward serves stale weights
     for mine, live in zip(average.shards(), average.live(module), strict=True):
         if keep:
             held = mine.clone()
@@ -112,13 +110,7 @@ def swap_into(average: ShardAverage, module: nn.Module, *, keep: bool) -> None:
             live.copy_(held)
         else:
             live.copy_(mine)
-    _reshard(module)
-
-
-def _reshard(module: nn.Module) -> None:
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
+    average.holder.after_local_write(module)
 
 
 # ---- the checkpoint: ``averaged.*`` beside ``model.*`` ------------------------------------------------------------
@@ -132,12 +124,12 @@ def portable_average(average: ShardAverage, module: nn.Module) -> dict[str, Tens
     out: dict[str, Tensor] = {}
     gathered: dict[int, Tensor | None] = {}
     for index, (name, live) in enumerate(module.state_dict(keep_vars=True).items()):
-        shard = by_id.get(id(live), _local(live))
+        shard = by_id.get(id(live), average.holder.local_shard(live))
         if isinstance(live, DTensor):
             out[name] = DTensor.from_local(
                 shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
             )
-        elif _partitioned(live):
+        elif is_partitioned(live):
             if id(live) not in gathered:  # collective: every rank, in the same order; the owner keeps it
                 whole = _gather_partition(shard, live)
                 gathered[id(live)] = whole if index % dist.get_world_size() == dist.get_rank() else None
@@ -152,14 +144,10 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def _partitioned(tensor: Tensor) -> bool:
-    return hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False)
-
-
 def _gather_partition(shard: Tensor, param: Tensor) -> Tensor:
     gathered = shard.new_empty(shard.numel() * dist.get_world_size())
     all_gather_single(gathered, shard.contiguous())
-    return gathered[: param.ds_numel].view(param.ds_shape).cpu().clone()
+    return gathered[: full_numel(param)].view(full_shape(param)).cpu().clone()
 
 
 def load_portable_average(average: ShardAverage, module: nn.Module, read: Callable[[dict], None]) -> None:
@@ -177,17 +165,18 @@ def load_portable_average(average: ShardAverage, module: nn.Module, read: Callab
             template[name] = DTensor.from_local(
                 shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
             )
-        elif _partitioned(live):
+        elif is_partitioned(live):
             partitions.append((name, shard, live))
         else:
             template[name] = shard
     read({"averaged": template})
     for name, shard, live in partitions:
-        whole = torch.empty(live.ds_shape, dtype=shard.dtype)
+        whole = torch.empty(full_shape(live), dtype=shard.dtype)
         read({"averaged": {name: whole}})
         start = dist.get_rank() * shard.numel()
         piece = whole.reshape(-1)[start : start + shard.numel()]
         shard[: piece.numel()].copy_(piece)
+    average.holder.after_local_write(module)
 
 
 def _from_lightning_file(average: ShardAverage, module: nn.Module, checkpoint: dict[str, Any]) -> None:
@@ -220,15 +209,23 @@ def adopt_weight_averaging(trainer: Trainer, module: LightningModule) -> None:
     its shards only.
     """
     for callback in weight_averaging_callbacks(trainer):
-        if callback._average_model is None:
+        settings = weight_averaging_settings(callback)
+        if settings is None:
             continue
-        callback._average_model = ShardAverage(module, use_buffers=callback._use_buffers, **callback._kwargs)
-        # Instance attributes shadow the class's methods: Lightning's versions zip ``pl_module.parameters()`` (sharded
-        # placeholders) with the average; these zip the local shards instead. See the module docstring.
-        callback._swap_models = types.MethodType(_swap_models, callback)
-        callback._copy_average_to_current = types.MethodType(_copy_average_to_current, callback)
-        callback.on_save_checkpoint = types.MethodType(_on_save_checkpoint, callback)
-        callback.on_load_checkpoint = types.MethodType(_on_load_checkpoint, callback)
+        use_buffers, kwargs = settings
+        average = ShardAverage(module, trainer.strategy, use_buffers=use_buffers, **kwargs)
+        # Lightning's four methods zip ``pl_module.parameters()`` (sharded placeholders) with the average; these zip
+        # the local shards instead. See the module docstring and lightscale/patches/lightning.py.
+        give_weight_averaging(
+            callback,
+            average,
+            {
+                "_swap_models": _swap_models,
+                "_copy_average_to_current": _copy_average_to_current,
+                "on_save_checkpoint": _on_save_checkpoint,
+                "on_load_checkpoint": _on_load_checkpoint,
+            },
+        )
 
 
 def _swap_models(self: WeightAveraging, pl_module: LightningModule) -> None:

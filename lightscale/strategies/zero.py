@@ -8,8 +8,6 @@ boundary is), LR schedulers (stepped per optimizer step, as under every other st
 
 from __future__ import annotations
 
-import os
-import sys
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -20,6 +18,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import nn
 from typing_extensions import override
 
 from lightscale.checkpoint.portable import AVERAGED, lightning_rest, with_average, write_checkpoint
@@ -28,6 +27,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
+from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.storage.atomic_dir import complete_checkpoint
@@ -59,6 +59,7 @@ from lightscale.zero.engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
+from lightscale.zero.partition import is_partitioned, partition, regather_persistent
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
@@ -105,28 +106,37 @@ class ZeroStrategy(LightscaleStrategy):
     }
     checkpoint_formats = get_args(CheckpointFormat)
     plannable = (
-        Plannable("zero1", "2Ψ", "optimizer state sharded"),
-        Plannable("zero2", "2Ψ", "+ gradients sharded"),
+        Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
+        Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
     )
+
+    @override
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A ZeRO-3 parameter's piece is its partition, persistent or not (lightscale/zero/partition.py)."""
+        return partition(tensor) if is_partitioned(tensor) else super().local_shard(tensor)
+
+    @override
+    def after_local_write(self, module: nn.Module) -> None:
+        regather_persistent(list(module.parameters()))
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
         """Stage 1 shards optimizer state, 2 gradients too, 3 parameters too; offload moves them to the host."""
-        stage = self.options.stage
-        zero = self.user_config.get("zero_optimization", {})
-        threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
-        return Layout(
-            type(self).__name__,
-            world_size,
-            engine="deepspeed",
-            shard_optimizer=True,
-            shard_gradients=stage >= 2,
-            shard_parameters=stage == 3,
-            dp_shard=world_size,
-            offload_optimizer=self.options.offload_optimizer,
-            offload_parameters=self.options.offload_params,
-            persistence_threshold=threshold if stage == 3 else 0,
+        stage, offload_optimizer, offload_params = (
+            self.options.stage,
+            self.options.offload_optimizer,
+            self.options.offload_params,
         )
+        return _zero_layout(type(self).__name__, world_size, stage, offload_optimizer, offload_params, self.user_config)
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """From the init parameters alone: `lightscale plan` and ``fit_memory`` describe ZeRO without DeepSpeed."""
+        config = read_user_config(init_params.get("config"))
+        stage, offload_optimizer = init_params.get("stage", 2), init_params.get("offload_optimizer", False)
+        offload_params = init_params.get("offload_params", False)
+        return _zero_layout(cls.__name__, world_size, stage, offload_optimizer, offload_params, config)
 
     def __init__(
         self,
@@ -174,7 +184,7 @@ class ZeroStrategy(LightscaleStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory comm) once per virtual environment.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        extensions_dir()
         silence_deepspeed_noise()
         import deepspeed
 
@@ -276,8 +286,7 @@ class ZeroStrategy(LightscaleStrategy):
             config=self.config,
             dist_init_required=False,
         )
-        if type(engine.checkpoint_engine).__name__ == "TorchCheckpointEngine":
-            engine.checkpoint_engine = safe_checkpoint_engine(engine._config)  # resume loads weights-only
+        replace_checkpoint_engine(engine, safe_checkpoint_engine)  # resume loads weights-only
         return engine
 
     @contextmanager
@@ -375,3 +384,22 @@ class ZeroStrategy(LightscaleStrategy):
 
 # DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
 # drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
+
+
+def _zero_layout(
+    name: str, world_size: int, stage: int, offload_optimizer: bool, offload_params: bool, config: dict[str, Any]
+) -> Layout:
+    zero = config.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+    return Layout(
+        name,
+        world_size,
+        engine="deepspeed",
+        shard_optimizer=True,
+        shard_gradients=stage >= 2,
+        shard_parameters=stage == 3,
+        dp_shard=world_size,
+        offload_optimizer=offload_optimizer,
+        offload_parameters=offload_params,
+        persistence_threshold=threshold if stage == 3 else 0,
+    )

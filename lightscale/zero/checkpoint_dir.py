@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightscale.errors import ConfigurationError
+from lightscale.patches.deepspeed import skip_bit16_refresh, zero_to_fp32_loading_with
+from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.safe_io import checkpoint_safe_globals, load_with_package_classes
 from lightscale.storage.shape_check import check_shapes
@@ -72,36 +73,18 @@ def saved_parameter_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(shape) for group in groups for name, shape in group.items()}
 
 
-class _WeightsOnlyTorch:
-    """Stands in for ``torch`` inside DeepSpeed's zero_to_fp32, so every load there is weights-only."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(path: Any, map_location: Any = None, mmap: bool = False, **_: Any) -> Any:
-        return safe_load(path, map_location=map_location, mmap=mmap)
-
-
 def consolidate_zero_checkpoint(checkpoint: str | os.PathLike, *, prefix: str = "model.") -> dict[str, Tensor]:
     """The full fp32 weights of a ZeRO-1/2/3 checkpoint directory, for the single-device model.
 
     ``prefix`` is stripped from the keys (the GPT recipe's LightningModule holds its model as ``model``);
     keys without it are dropped. Pass ``prefix=""`` to keep the LightningModule's keys.
     """
-    from deepspeed.utils import zero_to_fp32
-
     directory = complete_checkpoint(Path(checkpoint))
     if not (directory / CHECKPOINT_TAG).is_dir():
         raise FileNotFoundError(f"{directory} is not a ZeRO checkpoint directory (no {CHECKPOINT_TAG}/ inside).")
-    with mock.patch.object(zero_to_fp32, "torch", _WeightsOnlyTorch()):
+    with zero_to_fp32_loading_with(safe_load) as zero_to_fp32:  # its own torch.load unpickles code
         state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=CHECKPOINT_TAG)
     return {key[len(prefix) :]: value.contiguous() for key, value in state.items() if key.startswith(prefix)}
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _is_rank_zero() -> bool:
@@ -112,22 +95,20 @@ def save_engine_directory(engine: Any, target: Path, client_state: dict[str, Any
     """Collectively save ``engine`` as DeepSpeed's directory ``target``: written beside it, then swapped in."""
     if _is_rank_zero():
         start_staging(target)
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(staging_path(target)), client_state=client_state, tag=CHECKPOINT_TAG)
-    _barrier()
+    barrier()
     if _is_rank_zero():
         publish(staging_path(target), target)
-    _barrier()
+    barrier()
 
 
 def load_engine_directory(engine: Any, path: Path, *, fitting: bool) -> dict[str, Any]:
     """Collectively load DeepSpeed's directory ``path`` into ``engine`` (optimizer state when ``fitting``);
     returns the client state saved with it (the rest of Lightning's checkpoint)."""
     optimizer = engine.optimizer
-    if not fitting and optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
-        # ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) and no fp32 master to refresh
-        # from the loaded weights, but DeepSpeed calls the refresh anyway.
-        optimizer._restore_from_bit16_weights = lambda: None
+    if not fitting:  # ZeRO-3 evaluation's optimizer stand-in has no fp32 master to refresh; DeepSpeed refreshes anyway
+        skip_bit16_refresh(optimizer)
     model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters()}
     check_shapes(saved_parameter_shapes(path), model, str(path))  # before DeepSpeed reads any shard
     _, client_state = engine.load_checkpoint(

@@ -5,11 +5,8 @@ NVMe check.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import os
 import warnings
-import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +19,8 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
+from lightscale.patches.deepspeed import name_cpu_accelerator
+from lightscale.patches.torch_internals import track_optimizer_steps
 
 
 def require_deepspeed() -> None:
@@ -34,8 +33,7 @@ def require_deepspeed() -> None:
         )
     # lightscale runs DeepSpeed on CUDA or the CPU: without CUDA, name the CPU before DeepSpeed's first import, which
     # otherwise probes for other accelerators and warns "Setting accelerator to CPU" in every process.
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    name_cpu_accelerator()
 
 
 class EngineRoot(nn.Module):
@@ -108,19 +106,7 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
         >>> rebind_scheduler(scheduler, cpu_adam_from(optimizer))
     """
     scheduler.optimizer = optimizer
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return  # the optimizer the scheduler was built on: tracked already
-    step = optimizer.step.__func__  # type: ignore[attr-defined]
-    owner = weakref.ref(optimizer)  # as torch does: no reference cycle through the instance attribute
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        opt = owner()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
+    track_optimizer_steps(optimizer)  # torch's own marking: lightscale/patches/torch_internals.py
 
 
 def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -8,14 +8,12 @@ uses (``TORCH_EXTENSIONS_DIR``, by default ``<venv>/torch_extensions``), like ``
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+from lightscale.patches.deepspeed import extensions_dir
 
 
 def build_cpu_ops() -> list[str]:
     """Load (compiling if needed) every CPU op this machine can build; returns the names built."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    extensions_dir()
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
     built = []

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightscale.errors import ConfigurationError
+from lightscale.patches.deepspeed import relink_optimizer_states
 
 
 def _rank() -> int:
@@ -173,11 +174,7 @@ def materialize_optimizer_state(zero: Any, elementwise: Iterable[str] = (), scal
             state[key] = torch.zeros_like(flat)
         for key in (key for key in scalars if key not in state):
             state[key] = 0 if int_steps else torch.tensor(0.0, dtype=torch.float32)
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-1/2 link each parameter to views of its state once, after stepping the first group only: the
-        # other groups' links stay empty. Linking again (views of the same tensors) makes every link whole.
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
+    relink_optimizer_states(zero)  # ZeRO-1/2 linked the first group only (lightscale/patches/deepspeed.py)
 
 
 _FLAT_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")

@@ -3,6 +3,7 @@ padded and masked, and each rank's logits are N_local x N_global."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightscale.parallel import contrastive
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.testing import run_distributed
 
 SIZES = (4, 3)  # rank 0 holds 4 pairs, rank 1 holds 3: an uneven last batch
@@ -80,3 +82,32 @@ def test_logits_are_local_rows_by_global_columns() -> None:
     results = run_distributed(on_rank, "clip", world_size=2)
     for rank, (_, shapes) in enumerate(results):
         assert shapes == [(SIZES[rank], 2 * max(SIZES))] * 2  # N_local x N_global (padded), never N_global^2
+
+
+@dataclass(eq=False)
+class Holder:
+    """What the gather reads of a strategy: its degrees and mesh."""
+
+    dims: ParallelDims
+    device_mesh: Any
+
+
+def gather_over_batch_group(kind: str) -> list:
+    """dp_shard=2 x ep=2 on 4 ranks: every rank reads its own batch, so the gather must span all 4 (it spanned the 2
+    dp ranks, leaving out the expert-parallel peers' negatives)."""
+    dims = ParallelDims(world_size=4, dp_shard=2, ep=2)
+    strategy = Holder(dims, dims.build_mesh("cpu"))
+    image, text = features(dims.data_rank(dist.get_rank()), 3)
+    out = loss_and_grads(kind, image, text, contrastive.data_parallel_group(strategy), pad_to=None)
+    loss = out[0].clone()
+    dist.all_reduce(loss)  # every rank's share of the global loss: the mean over the 4 data shards
+    return [loss / 4, out[3]]
+
+
+@pytest.mark.parametrize("kind", ["clip"])
+def test_expert_parallel_ranks_gather_each_others_negatives(kind: str) -> None:
+    results = run_distributed(gather_over_batch_group, kind, world_size=4)
+    image, text = (torch.cat(tensors) for tensors in zip(*(features(rank, 3) for rank in range(4)), strict=True))
+    ref = loss_and_grads(kind, image, text, None, None)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, ref[0], rtol=1e-12, atol=0)

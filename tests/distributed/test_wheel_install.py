@@ -1,5 +1,6 @@
 """The wheel as pip users get it: built from the repository, installed into a fresh virtual environment that has
-no DeepSpeed, it trains bucketed_ddp on 2 ranks and refuses a ZeRO name by naming the extra.
+no DeepSpeed, it trains bucketed_ddp on 2 ranks, refuses a ZeRO name by naming the extra, and plans (`lightscale
+plan`) without importing DeepSpeed.
 
 The fresh environment borrows this one's installed packages (a folder of links, DeepSpeed and lightscale left
 out) instead of downloading them again, so the test needs no network and stays fast.
@@ -35,6 +36,11 @@ except ConfigurationError as error:
     assert "lightscale[deepspeed]" in str(error), error
 else:
     raise AssertionError("zero2 was accepted without DeepSpeed")
+
+from lightscale.cli import main as cli
+
+cli(["plan", "--config", "gpt/tiny_ddp.yaml", "--world-size", "8"])  # ZeRO rows marked as needing the extra
+assert "deepspeed" not in sys.modules, "planning imported DeepSpeed"
 
 
 class Tiny(L.LightningModule):

@@ -16,6 +16,7 @@ FLOORS = {
     "lightscale.saved_tensors": 0,
     "lightscale.comm_counter": 0,
     "lightscale.moved": 0,
+    "lightscale.patches": 0,
     "lightscale.runtime": 1,
     "lightscale.storage": 1,
     "lightscale.layers": 1,
@@ -162,3 +163,19 @@ def test_imports_run_down_the_floors() -> None:
         if FLOORS.get(target, 0) > FLOORS.get(source, 0)
     ]
     assert not upward, "imports that run up a floor:\n" + "\n".join(upward)
+
+
+def test_only_mesh_py_indexes_mesh_axes() -> None:
+    """Groups are asked for by role (lightscale/parallel/mesh.py); ``mesh["tp"]`` elsewhere is a second rule."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "parallel" / "mesh.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant | ast.Tuple)):
+                continue
+            value = node.value
+            name = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", "")
+            if name.endswith("mesh"):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "mesh axes indexed outside parallel/mesh.py:\n" + "\n".join(found)

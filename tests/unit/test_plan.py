@@ -49,3 +49,20 @@ def test_plan_proposes_context_parallelism_when_activations_do_not_fit() -> None
     cp2, fsdp2 = by_name["cp2", "full"].estimate, by_name["fsdp2", "full"].estimate
     assert cp2.activations.device == pytest.approx(fsdp2.activations.device / 2, rel=1e-6)
     assert cp2.model_states == pytest.approx(fsdp2.model_states, rel=1e-6)  # FSDP2 over dp x cp: the same shards
+
+
+def test_plan_without_deepspeed_shows_zero_as_needing_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The estimator reads ZeRO's layout from its class (no instance, no DeepSpeed import): the rows stay, marked,
+    and the planner chooses the next candidate that fits."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # importlib now finds no DeepSpeed; importing it would fail
+    candidates = plan(GPTModule(TINY), plan_candidates(), world_size=2, budget=850_000, micro_batch=2)
+    zero = [c for c in candidates if c.strategy.startswith("zero")]
+    assert zero and all(c.missing == "deepspeed" and not c.fits for c in zero)
+    assert choose(candidates).strategy == "fsdp2"  # zero1 and zero2 would fit this budget (BUDGETS above)
+    main(["plan", "--config", "gpt/tiny_ddp.yaml", "--world-size", "8"])
+    assert "(needs the [deepspeed] extra)" in capsys.readouterr().out
+    assert sys.modules["deepspeed"] is None

@@ -7,9 +7,13 @@ naming the API (listed in docs/architecture.md, "Private APIs and versions") whe
 from __future__ import annotations
 
 import importlib
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
+
+from lightscale.patches import Patch, all_patches
 
 PRIVATE_APIS = [
     # (module, attribute path, who uses it)
@@ -140,3 +144,59 @@ def test_pipeline_schedules_take_scale_grads() -> None:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     assert "scale_grads" in inspect.signature(_PipelineSchedule.__init__).parameters  # 1/microbatches scaling
+
+
+# ---- every upstream patch (lightscale/patches/): wrapped signatures and private attributes, pinned ----------------
+def _resolve_target(target: str) -> object:
+    module, _, qualname = target.partition(":")
+    return _resolve(module, qualname)
+
+
+_PATCHES = all_patches()
+
+
+@pytest.mark.parametrize("patch", [p for p in _PATCHES if p.signature], ids=[p.target for p in _PATCHES if p.signature])
+def test_wrapped_callable_keeps_its_parameters(patch: Patch) -> None:
+    target, names = patch.signature  # type: ignore[misc]
+    found = tuple(inspect.signature(_resolve_target(target)).parameters)
+    assert found[: len(names)] == names, f"{target} now takes {found}; lightscale relies on {names} ({patch.why})"
+
+
+@pytest.mark.parametrize(
+    "patch", [p for p in _PATCHES if p.attributes], ids=[p.target for p in _PATCHES if p.attributes]
+)
+def test_private_attributes_are_still_used_upstream(patch: Patch) -> None:
+    owner, names = patch.attributes  # type: ignore[misc]
+    source = "".join(_source(cls) for cls in inspect.getmro(_resolve_target(owner)))
+    missing = [name for name in names if f".{name}" not in source]
+    assert not missing, f"{owner} no longer has {missing} ({patch.why}); see lightscale/patches/"
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):  # builtins, generics
+        return ""
+
+
+def test_only_the_patches_package_rebinds_upstream_names() -> None:
+    """No mock in the package, no instance method shadowed and no environment written outside lightscale/patches/
+    (lightscale's own LIGHTSCALE_* variables aside)."""
+    root = Path(__file__).resolve().parents[2] / "lightscale"
+    found = []
+    for path in root.rglob("*.py"):
+        if "patches" in path.parts:
+            continue
+        text = path.read_text()
+        found += [f"{path.name}: {word}" for word in ("unittest", "MethodType", "environ.setdefault") if word in text]
+        found += [
+            f"{path.name}: os.environ[...] ="
+            for line in text.splitlines()
+            if "os.environ[" in line and "] =" in line and "LAUNCHER" not in line
+        ]
+    assert not found, found
+
+
+def test_architecture_page_lists_every_patch() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    assert not [p.target for p in _PATCHES if f"`{p.target}`" not in page]

@@ -50,7 +50,7 @@ from lightscale.parallel.diloco import (
     sgd_outer_optimizer,
 )
 from lightscale.parallel.fsdp import contains_module, materialize_meta_module, no_gradient_sync, torch_generator_states
-from lightscale.parallel.mesh import ParallelDims
+from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import FLOAT8, enforce_contract
@@ -199,7 +199,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         trainer = self.lightning_module.trainer
         if self.ft is None or not trainer.training:
             return loader
-        replicas = self.device_mesh["dp_shard"].get_group() if self.reducer is not None else None
+        replicas = axis(self.device_mesh, "dp_shard").get_group() if self.reducer is not None else None
         join_first_quorum(self.ft, loader, trainer, model=self.model, replicas=replicas)
         return loader
 
@@ -259,7 +259,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if is_meta:
             materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
         if not sharded and self.dims.dp_shard > 1:
-            self.reducer = BucketedGradReducer(module, process_group=self.device_mesh["dp_shard"].get_group())
+            self.reducer = BucketedGradReducer(module, process_group=axis(self.device_mesh, "dp_shard").get_group())
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.outer = self._outer_sync(module)
         return module
@@ -280,7 +280,7 @@ class DiLoCoStrategy(LightscaleStrategy):
             return self.ft.sync
         return OuterSync(
             module.named_parameters(), sync_every=self.schedule.sync_every,
-            group=self.device_mesh["dp_replicate"].get_group(), mode=self.mode, outer_optimizer=outer_optimizer,
+            group=axis(self.device_mesh, "dp_replicate").get_group(), mode=self.mode, outer_optimizer=outer_optimizer,
             fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
             compression=self.compression, broadcast_start=False, synchronous_steps=self.synchronous_steps,
         )  # fmt: skip

@@ -33,6 +33,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.parallel.context_parallel import ContextParallelAttention, Mode, check_sequence_length, shard_batch
 from lightscale.parallel.contract import has_hook, sequence_dims_of
+from lightscale.patches.lightning import logged_values_synced
 
 Reduce = Callable[..., Any]
 
@@ -55,7 +56,7 @@ class ContextParallelStep:
         self.attention.calls = 0
         with ExitStack() as stack:
             stack.enter_context(self.attention)
-            stack.enter_context(_logged_values_reduced(trainer, self.group, reduce))
+            stack.enter_context(logged_values_synced(trainer, reduce, self.group))
             yield
 
     def shard(self, batch: Any) -> Any:
@@ -70,28 +71,6 @@ class ContextParallelStep:
         calls = torch.tensor([self.attention.calls], dtype=torch.int64)
         dist.all_reduce(calls)
         check_attention_calls(int(calls), module_name=self.name, cp=self.cp)
-
-
-@contextmanager
-def _logged_values_reduced(trainer: Trainer, group: ProcessGroup, reduce: Reduce) -> Iterator[None]:
-    """``self.log(name, value)`` without ``sync_dist`` reduces ``value`` over ``group`` while the context is active."""
-    results = trainer._results
-    if results is None:
-        yield
-        return
-    log = results.log
-
-    def reduced_over_cp(*args: Any, sync_dist: bool = False, **kwargs: Any) -> None:
-        if not sync_dist and not kwargs.get("rank_zero_only", False):
-            kwargs.update(sync_dist_fn=reduce, sync_dist_group=group)
-            sync_dist = True
-        log(*args, sync_dist=sync_dist, **kwargs)
-
-    results.log = reduced_over_cp
-    try:
-        yield
-    finally:
-        del results.log  # the method again
 
 
 def check_context_parallel_model(

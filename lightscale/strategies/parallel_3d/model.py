@@ -26,6 +26,7 @@ from lightscale.parallel.contract import (
     tp_plan_of,
 )
 from lightscale.parallel.fsdp import contains_module
+from lightscale.parallel.mesh import axis
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import prune_to, stage_ids, stage_ids_owner
 from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
@@ -94,7 +95,7 @@ def build_pipeline(strategy: Parallel3DStrategy, module: LightningModule, model:
     """This rank's stages of ``model``, each parallelized, run by the chosen schedule."""
     names = module.pipeline_stages(strategy.num_stages)
     all_names = [name for stage in names for name in stage]
-    pp_mesh = strategy.device_mesh["pp"]
+    pp_mesh = axis(strategy.device_mesh, "pp")
     v_shape = strategy.schedule == "zbv"
     ids = stage_ids(pp_mesh.get_local_rank(), strategy.pp, strategy.stages_per_rank, v_shape=v_shape)
     stages = {index: prune_to(model, names[index], all_names) for index in ids}
@@ -122,7 +123,7 @@ def share_trained_stages(strategy: Parallel3DStrategy, network: nn.Module) -> No
         network,
         module.pipeline_stages(strategy.num_stages),
         owner_of=lambda stage: stage_ids_owner(stage, strategy.pp, v_shape=v_shape),
-        pp_group=strategy.device_mesh["pp"].get_group(),
+        pp_group=axis(strategy.device_mesh, "pp").get_group(),
     )
 
 

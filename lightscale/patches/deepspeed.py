@@ -1,0 +1,127 @@
+"""DeepSpeed names and environment lightscale sets, swaps or stubs, where DeepSpeed offers no argument for it.
+
+DeepSpeed itself is imported inside the functions that need it (the ``[deepspeed]`` extra stays optional).
+
+Example:
+    >>> name_cpu_accelerator()  # before DeepSpeed's first import on a machine without CUDA
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightscale.patches.table import Patch
+
+PATCHES = [
+    Patch(
+        "os.environ:DS_ACCELERATOR",
+        "environment",
+        "without CUDA DeepSpeed probes every accelerator at its first import and warns in every process; naming the "
+        "CPU first (setdefault: a user's value wins) skips the probe",
+        "DeepSpeed detecting the CPU quietly when torch has no other device",
+    ),
+    Patch(
+        "os.environ:TORCH_EXTENSIONS_DIR",
+        "environment",
+        "DeepSpeed JIT-builds its CPU ops (CPU Adam, async I/O) into torch's extensions directory; one per virtual "
+        "environment (setdefault) lets `make venv` build them once where every run finds them",
+        "DeepSpeed shipping its CPU ops prebuilt, or a per-environment default in torch",
+    ),
+    Patch(
+        "DeepSpeedEngine.checkpoint_engine",
+        "instance",
+        "DeepSpeed's TorchCheckpointEngine loads with weights_only=False: a resumed engine gets one that never "
+        "unpickles code",
+        "a weights_only option in DeepSpeed's checkpoint config",
+        signature=(
+            "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.load",
+            ("self", "path", "map_location"),
+        ),
+        attributes=("deepspeed.runtime.engine:DeepSpeedEngine", ("checkpoint_engine", "_config")),
+    ),
+    Patch(
+        "DeepSpeedZeRoOffload._restore_from_bit16_weights",
+        "instance",
+        "ZeRO-3 evaluation has no optimizer (DeepSpeedZeRoOffload stands in) yet DeepSpeed's load_checkpoint calls "
+        "this refresh; a no-op on the stand-in",
+        "DeepSpeed skipping the refresh when load_optimizer_states=False and there is no optimizer",
+        attributes=("deepspeed.runtime.engine:DeepSpeedEngine", ("optimizer._restore_from_bit16_weights",)),
+    ),
+    Patch(
+        "DeepSpeedZeroOptimizer._hp_optimizer_states_linked",
+        "instance",
+        "ZeRO-1/2 link each parameter to views of its optimizer state once, after stepping the first group only; "
+        "resetting the flag and linking again makes every group's links whole before a portable save",
+        "DeepSpeed linking every group in _lazy_init_hp_params_optimizer_state",
+        signature=(
+            "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
+            ("self",),
+        ),
+        attributes=("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", ("_hp_optimizer_states_linked",)),
+    ),
+    Patch(
+        "deepspeed.utils.zero_to_fp32.torch (module global)",
+        "global",
+        "zero_to_fp32 loads every shard with weights_only=False; while lightscale consolidates, its module global "
+        "`torch` is a stand-in whose load is weights-only (restored after, also on error)",
+        "a weights_only argument to get_fp32_state_dict_from_zero_checkpoint",
+        signature=("deepspeed.utils.zero_to_fp32:get_fp32_state_dict_from_zero_checkpoint", ("checkpoint_dir", "tag")),
+    ),
+]
+
+
+def name_cpu_accelerator() -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's CPU ops are built and found (set for this process if the user has not)."""
+    return Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
+
+
+def replace_checkpoint_engine(engine: Any, make: Callable[[Any], Any]) -> None:
+    """Give ``engine`` the checkpoint engine ``make(engine._config)`` when it has DeepSpeed's torch one."""
+    if type(engine.checkpoint_engine).__name__ == "TorchCheckpointEngine":
+        engine.checkpoint_engine = make(engine._config)
+
+
+def skip_bit16_refresh(optimizer: Any) -> None:
+    """On ZeRO-3's evaluation stand-in (no fp32 master): the refresh DeepSpeed calls after loading does nothing."""
+    if optimizer is not None and not hasattr(optimizer, "_restore_from_bit16_weights"):
+        optimizer._restore_from_bit16_weights = lambda: None
+
+
+def relink_optimizer_states(zero: Any) -> None:
+    """ZeRO-1/2: link every parameter group to views of its optimizer state (see ``PATCHES``)."""
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+@contextmanager
+def zero_to_fp32_loading_with(load: Callable[..., Any]) -> Iterator[Any]:
+    """DeepSpeed's zero_to_fp32 module, every ``torch.load`` in it served by ``load(path, map_location, mmap)``."""
+    from deepspeed.utils import zero_to_fp32
+
+    class _Torch:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def load(path: Any, map_location: Any = None, mmap: bool = False, **_: Any) -> Any:
+            return load(path, map_location=map_location, mmap=mmap)
+
+    original = zero_to_fp32.torch
+    zero_to_fp32.torch = _Torch()
+    try:
+        yield zero_to_fp32
+    finally:
+        zero_to_fp32.torch = original
