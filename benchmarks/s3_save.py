@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import interleaved, median, timed_trainer
 
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
-from lightscale.storage.local_s3 import local_s3_server
+from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.testing import run_distributed
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)  # the benchmarks' small GPT
@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--gap", type=int, default=2, help="training steps between saves")
     parser.add_argument("--strategy", default="fsdp2")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as directory, local_s3_server(bucket=BUCKET):
+    with tempfile.TemporaryDirectory() as directory, local_s3_server(bucket=BUCKET) as endpoint:
+        os.environ.update(s3_environment(endpoint))  # the ranks' S3 clients (forked: they inherit it)
         seconds = run_distributed(_rank, args.strategy, args.repeats, args.gap, directory, world_size=2, timeout_s=3000)
         first = next(Path(directory).glob("step=*.ckpt"))
         size = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())

@@ -1,24 +1,24 @@
 """A real S3 server on loopback (moto's server mode), for the tests, the benchmark and the docs' example of
 checkpoints in object storage; ``pip install 'lightscale[s3]'`` installs it with ``s3fs``.
 
-The server is its own process (``python -m moto.server``) on a free port of 127.0.0.1; inside the block the standard
-AWS variables point every client at it (``AWS_ENDPOINT_URL``, dummy credentials), so ranks started from this process
-(forked, spawned, or Lightning's launcher) write the same bucket. Leaving the block stops the server and restores the
-variables; objects live in its memory only.
+The server is its own process (``python -m moto.server``) on a free port of 127.0.0.1. :func:`s3_environment` gives
+the standard AWS variables that point every client at it (``AWS_ENDPOINT_URL``, dummy credentials): the caller sets
+them (lightscale writes no environment), so ranks started from its process (forked, spawned, or Lightning's launcher)
+write the same bucket. Leaving the block stops the server; objects live in its memory only.
 
 For runs whose ranks a launcher starts by re-running the script (Lightning's ``devices=N``, torchrun), start the server
 beside them instead: ``python -m lightscale.storage.local_s3 --port 9000 --bucket checkpoints`` serves until stopped
 and prints the variables to export.
 
 Example:
-    >>> with local_s3_server(bucket="checkpoints"):
+    >>> with local_s3_server(bucket="checkpoints") as endpoint:
+    ...     os.environ.update(s3_environment(endpoint))
     ...     trainer = lightscale.Trainer(callbacks=[ModelCheckpoint(dirpath="s3://checkpoints/run")], ...)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import subprocess
@@ -31,7 +31,17 @@ import fsspec
 
 from lightscale.errors import import_extra
 
-_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+_REGION = "us-east-1"
+
+
+def s3_environment(endpoint: str) -> dict[str, str]:
+    """The variables that send S3 clients (s3fs, boto3) in this process and its children to ``endpoint``."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "local",
+        "AWS_SECRET_ACCESS_KEY": "local",
+        "AWS_DEFAULT_REGION": _REGION,
+    }
 
 
 def _free_port() -> int:
@@ -67,18 +77,13 @@ def local_s3_server(*, bucket: str = "checkpoints", port: int = 0, start_timeout
     port = port or _free_port()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {name: os.environ.get(name) for name in _ENV}
     endpoint = f"http://127.0.0.1:{port}"
     try:
         _wait_until_listening(port, server, start_timeout_s)
-        os.environ.update(
-            AWS_ENDPOINT_URL=endpoint,
-            AWS_ACCESS_KEY_ID="local",
-            AWS_SECRET_ACCESS_KEY="local",
-            AWS_DEFAULT_REGION="us-east-1",
-        )
         _clear_s3_clients()
-        fsspec.filesystem("s3").mkdir(bucket)
+        client = {"endpoint_url": endpoint}  # no region: s3fs would send it as a LocationConstraint (refused)
+        s3 = fsspec.filesystem("s3", key="local", secret="local", client_kwargs=client, skip_instance_cache=True)
+        s3.mkdir(bucket)
         yield endpoint
     finally:
         server.terminate()
@@ -87,11 +92,6 @@ def local_s3_server(*, bucket: str = "checkpoints", port: int = 0, start_timeout
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         _clear_s3_clients()
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the server process too (the finally block)
     with local_s3_server(bucket=args.bucket, port=args.port) as endpoint:
-        variables = " ".join(f"{name}={os.environ[name]}" for name in _ENV)
+        variables = " ".join(f"{name}={value}" for name, value in s3_environment(endpoint).items())
         print(f"S3 at {endpoint}, bucket s3://{args.bucket}; in the shell that trains:\nexport {variables}", flush=True)
         try:
             while True:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.errors import ConfigurationError
-from lightscale.storage.local_s3 import local_s3_server
+from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
@@ -110,7 +110,10 @@ def _fit(
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
-    with local_s3_server(bucket=BUCKET) as endpoint:
+    """The server, and the variables that send this process's and the ranks' S3 clients to it."""
+    with local_s3_server(bucket=BUCKET) as endpoint, pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_environment(endpoint).items():
+            patch.setenv(name, value)
         yield endpoint
 
 
