@@ -163,6 +163,17 @@ class RemotePath:
         self._fresh()
         return self.fs.isdir(self.key)
 
+    def names(self) -> list[str]:
+        """Names of the objects and prefixes directly under this location (fresh listing)."""
+        self._fresh()
+        if not self.fs.isdir(self.key):
+            return []
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.key, detail=False)]
+
+    def modified(self) -> float:
+        """When this object was last written (seconds since the epoch)."""
+        return self.fs.modified(self.key).timestamp()
+
     def read_bytes(self) -> io.BytesIO:
         with self.fs.open(self.key, "rb") as file:
             return io.BytesIO(file.read())

@@ -80,7 +80,13 @@ def _full_weights(strategy: str, module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fit(
-    strategy: str, *, max_steps: int, dirpath: str | None = None, ckpt_path: str | None = None, fmt: str = "dcp"
+    strategy: str,
+    *,
+    max_steps: int,
+    dirpath: str | None = None,
+    ckpt_path: str | None = None,
+    fmt: str = "dcp",
+    resume: str | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     ranks = dist.get_world_size()
     pl.seed_everything(0, verbose=False)
@@ -102,6 +108,7 @@ def _fit(
         max_steps=max_steps,
         callbacks=callbacks,
         enable_checkpointing=dirpath is not None,
+        resume=resume,
     )
     model = Regressor()
     trainer.fit(model, _loader(ranks), ckpt_path=ckpt_path)
@@ -184,6 +191,19 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
     if final:
         _assert_same(loaded, final)
     assert sorted(tmp_path.iterdir()) == [local, tmp_path / "w.pt"]  # nothing else local: no folder named "s3:"
+
+
+def test_resume_auto_finds_the_newest_complete_checkpoint_in_the_bucket(s3: str, tmp_path: Path) -> None:
+    prefix = f"{BUCKET}/auto"
+    url = f"s3://{prefix}"
+    whole, _ = run_distributed(_fit, "bucketed_ddp", max_steps=STEPS, world_size=2)[0]
+    fresh, _ = run_distributed(_fit, "bucketed_ddp", max_steps=SAVED_AT, dirpath=url, resume="auto", world_size=2)[0]
+    assert fresh == whole[:SAVED_AT]  # an empty bucket prefix: started fresh
+    killed = fsspec.filesystem("s3")  # a newer save killed before its marker: shards and metadata, never complete
+    for name in (".metadata", "__0_0.distcp", "trainer_state.pt"):
+        killed.pipe(f"{prefix}/step=5.ckpt/{name}", b"half")
+    second, _ = run_distributed(_fit, "bucketed_ddp", max_steps=STEPS, dirpath=url, resume="auto", world_size=2)[0]
+    assert fresh + second == whole  # resumed from the complete step-3 checkpoint, bitwise
 
 
 def _memory_round_trip() -> tuple[list[float], list[float], list[str]]:

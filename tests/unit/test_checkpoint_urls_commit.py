@@ -12,6 +12,7 @@ import pytest
 
 from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir
 from lightscale.errors import ConfigurationError
+from lightscale.resume import newest_checkpoint
 from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.urls import COMPLETE, RemotePath, checkpoint_location
 
@@ -142,3 +143,33 @@ def test_remote_path_cannot_become_a_local_file() -> None:
     location = checkpoint_location("memory://bucket/run")
     with pytest.raises(TypeError), open(location, "wb"):  # type: ignore[call-overload]
         pass
+
+
+def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = checkpoint_location(f"memory://run-{uuid.uuid4().hex[:8]}")
+    assert isinstance(directory, RemotePath)
+    assert newest_checkpoint(directory) is None  # nothing there yet: start fresh
+    written: dict[str, float] = {}  # a clock that ticks per write (memory:// stamps to the microsecond only)
+    write = RemotePath.write_bytes
+
+    def stamped_write(self: RemotePath, data: bytes) -> None:
+        write(self, data)
+        written[str(self)] = float(len(written))
+
+    monkeypatch.setattr(RemotePath, "write_bytes", stamped_write)
+    monkeypatch.setattr(RemotePath, "modified", lambda self: written[str(self)])
+    _save(directory / "step=3.ckpt", "3")
+    (directory / "step=4.ckpt").write_bytes(b"a single-file checkpoint")
+    assert newest_checkpoint(directory) == directory / "step=4.ckpt"
+    _save(directory / "step=5.ckpt", "5")
+    _write(directory / "step=9.ckpt", "killed before its marker")  # newer, never complete
+    _write(directory / "step=9.ckpt.tmp", "never published either")
+    assert newest_checkpoint(directory) == directory / "step=5.ckpt"
+    last = directory / "last.ckpt"
+    _save(last, "6")
+    staging = start_staging(last)
+    _write(staging, "7")
+    (staging / COMPLETE).write_bytes(b"")
+    last.remove()  # a publish killed after unmarking and deleting last.ckpt: its staged copy is complete
+    assert newest_checkpoint(directory) == last
+    assert _version(complete_checkpoint(last)) == "7"
