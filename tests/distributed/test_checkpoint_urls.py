@@ -206,6 +206,19 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_the_bucket(s3: str,
     assert fresh + second == whole  # resumed from the complete step-3 checkpoint, bitwise
 
 
+def test_consolidate_from_s3_to_s3(s3: str, tmp_path: Path) -> None:
+    url = f"s3://{BUCKET}/consolidate"
+    run_distributed(_fit, "fsdp2", max_steps=SAVED_AT, dirpath=url, world_size=2)
+    source, output = f"{url}/step={SAVED_AT}.ckpt", f"{url}/model.ckpt"
+    command = [sys.executable, "-m", "lightscale.cli", "consolidate", source, output, "--with-optimizer"]
+    subprocess.run(command, check=True, timeout=180, cwd=tmp_path)
+    loaded = _load_in_fresh_process(output, tmp_path / "w.pt", with_lightscale=False)  # torch.load, no lightscale
+    _assert_same(loaded, SafeCheckpointIO().load_checkpoint(source)["state_dict"])
+    single = SafeCheckpointIO().load_checkpoint(output)
+    assert single["global_step"] == SAVED_AT and len(single["optimizer_states"]) == 1
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "w.pt"]
+
+
 def _memory_round_trip() -> tuple[list[float], list[float], list[str]]:
     whole, _ = _fit("bucketed_ddp", max_steps=STEPS)
     first, _ = _fit("bucketed_ddp", max_steps=SAVED_AT, dirpath="memory://ckpts/run")
