@@ -9,11 +9,14 @@ like the URL appears. ``memory://`` does the same in one process; a scheme whose
 
 from __future__ import annotations
 
+import itertools
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import fsspec
 import lightning.pytorch as pl
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from helpers import StepLosses, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -31,7 +35,7 @@ from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
-from lightscale.testing import run_distributed
+from lightscale.testing import RankFailed, run_distributed
 
 BUCKET = "lightscale-test"
 STEPS, SAVED_AT = 6, 3
@@ -217,6 +221,42 @@ def test_consolidate_from_s3_to_s3(s3: str, tmp_path: Path) -> None:
     single = SafeCheckpointIO().load_checkpoint(output)
     assert single["global_step"] == SAVED_AT and len(single["optimizer_states"]) == 1
     assert sorted(tmp_path.iterdir()) == [tmp_path / "w.pt"]
+
+
+def _fit_and_die_in_save(url: str, nth: int) -> None:
+    """fsdp2 to ``STEPS`` saving to ``url``; rank 1 dies (as a kill would) where it would write its shards in its
+    ``nth`` save: 1 and 2 are step=3.ckpt and last.ckpt, 3 step=6.ckpt (a new name: written in place), 4 last.ckpt
+    again (saved over: staged)."""
+    calls = itertools.count(1)
+    write = FsspecWriter.write_data
+
+    def write_or_die(self: FsspecWriter, *args: Any, **kwargs: Any) -> Any:
+        if next(calls) == nth and dist.get_rank() == 1:
+            os._exit(1)
+        return write(self, *args, **kwargs)
+
+    with mock.patch.object(FsspecWriter, "write_data", write_or_die):
+        _fit("fsdp2", max_steps=STEPS, dirpath=url)
+
+
+@pytest.mark.parametrize(("nth", "killed"), [(3, "step=6.ckpt"), (4, "last.ckpt.tmp")])
+def test_a_rank_killed_mid_save_leaves_nothing_half_written_as_complete(
+    nth: int, killed: str, s3: str, tmp_path: Path
+) -> None:
+    prefix = f"{BUCKET}/killed-{nth}"
+    url = f"s3://{prefix}"
+    whole, _ = run_distributed(_fit, "fsdp2", max_steps=STEPS, world_size=2)[0]
+    with pytest.raises(RankFailed):
+        run_distributed(_fit_and_die_in_save, url, nth, world_size=2, collective_timeout_s=20)
+    saved = _objects(prefix)
+    assert f"{killed}/__0_0.distcp" in saved and f"{killed}/{COMPLETE}" not in saved  # rank 0 wrote, rank 1 died
+    assert f"last.ckpt/{COMPLETE}" in saved  # the checkpoint being saved over is whole ...
+    assert SafeCheckpointIO().load_checkpoint(f"{url}/last.ckpt")["global_step"] == SAVED_AT  # ... and step 3's
+    if nth == 3:
+        with pytest.raises(RankFailed, match="incomplete checkpoint"):  # the half-written one is refused by name
+            run_distributed(_fit, "fsdp2", max_steps=STEPS, ckpt_path=f"{url}/{killed}", world_size=2)
+    second, _ = run_distributed(_fit, "fsdp2", max_steps=STEPS, ckpt_path=f"{url}/last.ckpt", world_size=2)[0]
+    assert whole[:SAVED_AT] + second == whole  # resumed from the complete step-3 checkpoint, bitwise
 
 
 def _memory_round_trip() -> tuple[list[float], list[float], list[str]]:
