@@ -15,11 +15,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
+from lightscale.parallel.parallelize import ParallelizeOptions
 from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import enforce_contract
@@ -90,8 +93,13 @@ class BucketedDDPStrategy(LightscaleStrategy):
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
-        self.reducer = BucketedGradReducer(
+        self.reducer = self._reducer(module, group=None)
+        return module
+
+    def _reducer(self, module: nn.Module, *, group: ProcessGroup | None) -> BucketedGradReducer:
+        return BucketedGradReducer(
             module,
+            process_group=group,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             compression=self.compression,
@@ -99,7 +107,33 @@ class BucketedDDPStrategy(LightscaleStrategy):
             powersgd_rank=self.powersgd_rank,
             powersgd_warmup_steps=self.powersgd_warmup_steps,
         )
-        return module
+
+    # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): the reducer over the worker's ranks -----------
+    shards_parameters = False
+
+    def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
+        enforce_contract(
+            self.precision_family, precision_name(plugin), device_type=device_type, compression=self.compression
+        )
+        return plugin
+
+    def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
+        return ParallelizeOptions(activation_checkpointing=activation_checkpointing, compile=compile, fsdp_over="none")
+
+    def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:
+        self.reducer = self._reducer(module, group=group) if group is not None else None
+
+    def before_inner_step(self) -> None:
+        if self.reducer is not None:
+            self.reducer.sync_buffers()
+
+    def inner_no_sync(self, model: nn.Module | None) -> AbstractContextManager:
+        return self.reducer.no_sync() if self.reducer is not None else nullcontext()
+
+    def stop_inner_sync(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
@@ -213,6 +214,36 @@ class FSDP2Strategy(LightscaleStrategy):
     @override
     def model_to_device(self) -> None:
         pass  # apply_parallelism places (or materializes) the shards
+
+    # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): FSDP2 over the worker's ranks -----------------
+    shards_parameters = True
+
+    def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
+        name = precision_name(plugin)
+        enforce_contract(self.precision_family, name, device_type=device_type, compression=self.compression)
+        return fsdp2_precision_plugin(name, device_type)
+
+    def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
+        return ParallelizeOptions(
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            mp_policy=mp_policy(precision, self.compression),
+            reshard_after_forward=self.reshard_after_forward,
+            always_shard=True,
+            fsdp_over="dp_shard",  # the workers meet through DiLoCo's outer sync, not through FSDP
+        )
+
+    def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:
+        """FSDP2's reduce-scatter is already on the worker's shards."""
+
+    def before_inner_step(self) -> None:
+        """Nothing: every rank of a worker holds shards of the same buffers' owner module."""
+
+    def inner_no_sync(self, model: nn.Module | None) -> AbstractContextManager:
+        return no_gradient_sync(model)
+
+    def stop_inner_sync(self) -> None:
+        """Nothing to release."""
 
     @override
     def gradient_sync_context(self) -> AbstractContextManager:

@@ -197,7 +197,10 @@ class ZeroStrategy(LightscaleStrategy):
         self.precision_plugin = DeepSpeedPrecision(precision_name(self.precision_plugin))
         self._check_trainer(trainer, self.precision_plugin.precision)
         enforce_contract(
-            "zero", self.precision_plugin.precision, device_type=self.root_device.type, compression=self.compression
+            self.precision_family,
+            self.precision_plugin.precision,
+            device_type=self.root_device.type,
+            compression=self.compression,
         )
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
@@ -245,7 +248,9 @@ class ZeroStrategy(LightscaleStrategy):
                 "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
                 "by norm only; use gradient_clip_algorithm='norm'."
             )
-        refuse_impossible("zero", precision, device_type=self.root_device.type, compression=self.compression)
+        refuse_impossible(
+            self.precision_family, precision, device_type=self.root_device.type, compression=self.compression
+        )
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
         options = self._nvme_options(trainer) if self._nvme_auto else self.options

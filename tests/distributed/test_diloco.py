@@ -191,6 +191,35 @@ def test_bytes_per_step_are_psi_over_h() -> None:
         assert sum(sent) / STEPS / factor == payload / 3  # Psi / H (x the compression ratio) per step
 
 
+def _all_reduce_bytes(strategy: Any) -> list[int]:
+    monitor = CommMonitor(every_n_steps=1, min_bytes=9)
+    _fit(strategy, callbacks=(monitor,))
+    return [step["all_reduce"].bytes if "all_reduce" in step else 0 for step in monitor.records]
+
+
+def _inner_objects() -> dict[str, Any]:
+    """2 workers x 2 ranks; the outer sync sends int8 (an all-gather), so every all-reduce is the inner strategy's."""
+    out = {}
+    for name, make in (("bf16", lambda: BucketedDDPStrategy(compression="bf16", bucket_cap_mb=1)),
+                       ("powersgd", lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=2))):  # fmt: skip
+        plain = _all_reduce_bytes(make())
+        inside = _all_reduce_bytes(DiLoCoStrategy(workers=2, sync_every=3, compression="int8", inner=make()))
+        out[name] = (plain, inside)
+    out["numel"] = sum(p.numel() for p in Net().parameters())
+    return out
+
+
+def test_a_worker_runs_the_inner_strategy_object_it_is_given() -> None:
+    """``inner=BucketedDDPStrategy(compression=...)``: each step's gradient bytes inside a worker are exactly what that
+    strategy sends on its own (bf16: half of fp32's; PowerSGD: its rank-2 factors), never DiLoCo's own reducer's."""
+    out = run_distributed(_inner_objects, world_size=4, timeout_s=600)[0]
+    numel = out.pop("numel")
+    for name, (plain, inside) in out.items():
+        assert len(plain) == len(inside) == STEPS and inside == plain, (name, plain, inside)
+    assert out["bf16"][0] == [2 * numel] * STEPS  # bf16 gradients: 2 bytes per parameter per step
+    assert 0 < out["powersgd"][0][0] < 4 * numel  # low-rank factors (and the vectors whole), below fp32
+
+
 def _resume(tmp: str, inner: str, synchronous_steps: int) -> dict[str, Any]:
     def strategy() -> DiLoCoStrategy:
         return DiLoCoStrategy(workers=2, inner=inner, sync_every=4, fragments=2, overlap_steps=1, compression="int8",

@@ -14,7 +14,8 @@ adds to the strategy: lightscale/strategies/diloco/fault_tolerant.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -38,7 +39,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import BucketedGradReducer, broadcast_module_state
+from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
@@ -49,18 +50,21 @@ from lightscale.parallel.diloco import (
     default_outer_step,
     sgd_outer_optimizer,
 )
-from lightscale.parallel.fsdp import contains_module, materialize_meta_module, no_gradient_sync, torch_generator_states
+from lightscale.parallel.fsdp import contains_module, materialize_meta_module, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims, axis
-from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
-from lightscale.plugins.fsdp_precision import fsdp2_precision_plugin, mp_policy, precision_name
-from lightscale.plugins.precision_contract import FLOAT8, enforce_contract
+from lightscale.parallel.parallelize import parallelize_model
+from lightscale.plugins.fsdp_precision import precision_name
+from lightscale.plugins.precision_contract import FLOAT8
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
     fault_tolerant_outer_sync,
     join_first_quorum,
     worker_data_shard,
 )
+from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.inner import InnerStrategy
 from lightscale.strategies.weight_averaging import drop_average
 
 Inner = Literal["bucketed_ddp", "fsdp2"]
@@ -73,7 +77,9 @@ class DiLoCoStrategy(LightscaleStrategy):
     Args:
         workers: replica groups that sync every ``sync_every`` steps; default one per node on several nodes, one
             per rank on one machine. Must divide the world size.
-        inner: the data parallelism inside a worker, ``"bucketed_ddp"`` or ``"fsdp2"``.
+        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or a
+            ``BucketedDDPStrategy(...)`` / ``FSDP2Strategy(...)`` object whose own settings (bucket sizes, bf16 or
+            PowerSGD gradients, FSDP2's reduce dtype) the worker runs with (lightscale/strategies/inner.py).
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
         outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
             ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in
@@ -114,7 +120,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         self,
         *,
         workers: int | None = None,
-        inner: Inner = "bucketed_ddp",
+        inner: Inner | InnerStrategy = "bucketed_ddp",
         sync_every: int = 100,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -135,9 +141,10 @@ class DiLoCoStrategy(LightscaleStrategy):
         default_lr, default_momentum = default_outer_step(self.schedule.sync_every)
         outer_lr = default_lr if outer_lr is None else outer_lr
         outer_momentum = default_momentum if outer_momentum is None else outer_momentum
-        _check_settings(workers, inner, outer_lr, outer_momentum)
+        _check_settings(workers, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
-        if inner == "fsdp2" and self.checkpoint_format == "file":
+        inner = inner_strategy(inner)
+        if inner.shards_parameters and self.checkpoint_format == "file":
             raise ConfigurationError(
                 "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
                 "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
@@ -151,7 +158,6 @@ class DiLoCoStrategy(LightscaleStrategy):
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
         self._rng_state: dict[str, torch.Tensor] | None = None
-        self.reducer: BucketedGradReducer | None = None
         self.outer: OuterSync | None = None
         self._kept_locals: list[torch.Tensor] | None = None
 
@@ -160,7 +166,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the
         global copy, the outer momentum (diloco with momentum > 0) and the compression residual."""
         dims = self.parallel_dims(world_size)
-        sharded = self.inner == "fsdp2"
+        sharded = self.inner.shards_parameters
         momentum = self.mode == "diloco" and self.outer_momentum > 0
         outer = 4 + 4 * momentum + 4 * (self.compression != "none")
         return Layout(
@@ -199,7 +205,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         trainer = self.lightning_module.trainer
         if self.ft is None or not trainer.training:
             return loader
-        replicas = axis(self.device_mesh, "dp_shard").get_group() if self.reducer is not None else None
+        worker = axis(self.device_mesh, "dp_shard")
+        replicas = worker.get_group() if worker.size() > 1 and not self.inner.shards_parameters else None
         join_first_quorum(self.ft, loader, trainer, model=self.model, replicas=replicas)
         return loader
 
@@ -210,7 +217,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @property
     def shard(self) -> int:
         """This rank's position among its worker's shards (0 when the inner strategy replicates)."""
-        return self.global_rank % self.dims.dp_shard if self.inner == "fsdp2" else 0
+        return self.global_rank % self.dims.dp_shard if self.inner.shards_parameters else 0
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -232,8 +239,7 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"precision={name!r} cannot run under DiLoCo: its workers' parameters are not converted to float8. "
                 "Use fsdp2 or parallel_3d for float8, or a DiLoCo precision such as 'bf16-mixed'."
             )
-        enforce_contract(self.inner, name, device_type=self.root_device.type)  # type: ignore[arg-type]
-        return fsdp2_precision_plugin(name, self.root_device.type) if self.inner == "fsdp2" else plugin
+        return self.inner.inner_precision(plugin, self.root_device.type)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -242,12 +248,15 @@ class DiLoCoStrategy(LightscaleStrategy):
         if not is_meta:
             module.to(self.root_device)
         broadcast_module_state(module)  # meta tensors are skipped: materialization replays rank 0's draws
-        sharded = self.inner == "fsdp2"
-        options = ParallelizeOptions(
-            activation_checkpointing=self.activation_checkpointing, compile=self.compile, always_shard=sharded,
-            mp_policy=mp_policy(precision_name(self.precision_plugin), "none") if sharded else None,
-            fsdp_over="dp_shard" if sharded else "none", root_reshard_after_forward=manual_optimization(module),
-        )  # fmt: skip
+        sharded = self.inner.shards_parameters
+        options = replace(
+            self.inner.inner_options(
+                precision_name(self.precision_plugin),
+                activation_checkpointing=self.activation_checkpointing,
+                compile=self.compile,
+            ),
+            root_reshard_after_forward=manual_optimization(module),
+        )
         # Under manual optimization FSDP roots at each child network (lightscale/parallel/contract.py).
         roots = data_parallel_roots(module, strategy=type(self).__name__) if sharded else [data_parallel_root(module)]
         if sharded:
@@ -258,8 +267,8 @@ class DiLoCoStrategy(LightscaleStrategy):
             parallelize_model(root, self.device_mesh, units=inside, options=options)
         if is_meta:
             materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
-        if not sharded and self.dims.dp_shard > 1:
-            self.reducer = BucketedGradReducer(module, process_group=axis(self.device_mesh, "dp_shard").get_group())
+        worker = axis(self.device_mesh, "dp_shard")
+        self.inner.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.outer = self._outer_sync(module)
         return module
@@ -310,15 +319,12 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.reducer is not None:
-            self.reducer.sync_buffers()
+        self.inner.before_inner_step()
         return super().training_step(*args, **kwargs)
 
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
-        if self.inner == "fsdp2":
-            return no_gradient_sync(self.model)
-        return self.reducer.no_sync() if self.reducer is not None else nullcontext()
+        return self.inner.inner_no_sync(self.model)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -392,7 +398,7 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.save_single_file({**rest, "state_dict": model}, path)
             return None
         tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
-        meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner == "fsdp2" else 1}
+        meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner.shards_parameters else 1}
         if self.ft is not None:
             meta["ft_rounds"] = self.ft.manager.current_step()
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
@@ -419,7 +425,7 @@ class DiLoCoStrategy(LightscaleStrategy):
                 f"{path} was not saved by DiLoCo, so it holds no outer state to resume; load its model into a new run "
                 f"with `lightscale export` (or train on with the strategy that saved it)."
             )
-        shards = self.dims.dp_shard if self.inner == "fsdp2" else 1
+        shards = self.dims.dp_shard if self.inner.shards_parameters else 1
         same = (saved["workers"], saved.get("shards", 1)) == (self.dims.dp_replicate, shards)
         if not same and saved["pending"]:
             raise ConfigurationError(
@@ -441,9 +447,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.reducer is not None:
-            self.reducer.remove()
-            self.reducer = None
+        self.inner.stop_inner_sync()
         if self.ft is not None:
             self.ft.shutdown()
             self.ft = None
@@ -460,14 +464,29 @@ def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
     return closure_then_average
 
 
-def _check_settings(workers: int | None, inner: str, outer_lr: float, outer_momentum: float) -> None:
+def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
+    """The inner strategy object: a name builds it with its defaults; an object is used as given (its own settings:
+    bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype), refused where it cannot nest."""
+    if isinstance(inner, str) and inner in INNERS:
+        return BucketedDDPStrategy() if inner == "bucketed_ddp" else FSDP2Strategy()
+    if not isinstance(inner, BucketedDDPStrategy | FSDP2Strategy):
+        raise ConfigurationError(
+            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a "
+            "BucketedDDPStrategy / FSDP2Strategy object (engines that own the optimizer step, such as DeepSpeed's "
+            "ZeRO, and tp/pp layouts do not nest)."
+        )
+    if isinstance(inner, FSDP2Strategy) and (inner.offload or inner.dp_replicate != 1):
+        raise ConfigurationError(
+            f"inner=FSDP2Strategy(offload={inner.offload}, dp_replicate={inner.dp_replicate}) cannot run inside a "
+            "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
+            "workers are DiLoCo's replicas."
+        )
+    return inner
+
+
+def _check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ConfigurationError(f"workers={workers!r} is not valid; use a positive integer or None (one per node).")
-    if inner not in INNERS:
-        raise ConfigurationError(
-            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)} (engines that own "
-            f"the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
-        )
     if not (isinstance(outer_lr, int | float) and outer_lr > 0):
         raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (None: the default for H).")
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
