@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import StepLosses, quiet_trainer
+from helpers import StepLosses, quiet_trainer, train_tiny_gpt
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -221,6 +221,16 @@ def test_consolidate_from_s3_to_s3(s3: str, tmp_path: Path) -> None:
     single = SafeCheckpointIO().load_checkpoint(output)
     assert single["global_step"] == SAVED_AT and len(single["optimizer_states"]) == 1
     assert sorted(tmp_path.iterdir()) == [tmp_path / "w.pt"]
+
+
+def test_parallel_3d_layout_saves_to_s3_and_resumes_bitwise(s3: str, corpus_cache: str) -> None:
+    """The tiny GPT under tp2 (parallel_3d, tensor parallel over 2 ranks): 10 steps saved to S3, 10 resumed."""
+    url = f"s3://{BUCKET}/tp2/step10.ckpt"
+    run = {"devices": 2, "batch_size": 8, "cache_dir": corpus_cache, "world_size": 2, "timeout_s": 300}
+    whole = run_distributed(train_tiny_gpt, "tp2", **run)[0]
+    first = run_distributed(train_tiny_gpt, "tp2", stop_after=10, save_checkpoint_to=url, **run)[0]
+    second = run_distributed(train_tiny_gpt, "tp2", resume_from=url, **run)[0]
+    assert len(first) == len(second) == 10 and first + second == whole
 
 
 def _fit_and_die_in_save(url: str, nth: int) -> None:
