@@ -238,13 +238,10 @@ def complete_remote(target: RemotePath, staging: RemotePath) -> RemotePath:
     return staging if is_complete(staging) else target
 
 
-def refuse_remote(location: Location, what: str) -> None:
-    """Refuse an fsspec URL where only local files can be written, naming what to use instead."""
+def refuse_remote(location: Location, what: str, *, instead: str = "use a local path") -> None:
+    """Refuse an fsspec URL where only local files can be read or written, naming what to do instead."""
     if is_remote(location):
-        raise ConfigurationError(
-            f"Checkpoint location {location}: {what} cannot write to a URL. Save the portable layout there "
-            "(checkpoint_format='dcp', the default), or use a local path."
-        )
+        raise ConfigurationError(f"{location} is a URL, but {what} works on local files only; {instead}.")
 
 
 def check_shared(location: Location, world_size: int) -> None:

@@ -346,7 +346,8 @@ class ZeroStrategy(LightscaleStrategy):
         target = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
-            refuse_remote(target, "checkpoint_format='deepspeed' (DeepSpeed writes local files)")
+            instead = "save the portable layout there (checkpoint_format='dcp', the default) or use a local path"
+            refuse_remote(target, "checkpoint_format='deepspeed' (DeepSpeed's own writer)", instead=instead)
             drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return

@@ -21,6 +21,7 @@ from unittest import mock
 import fsspec
 import lightning.pytorch as pl
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from helpers import StepLosses, quiet_trainer, train_tiny_gpt
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightscale.checkpoint.lightning_format import lightning_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
@@ -219,16 +221,25 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_the_bucket(s3: str,
     assert fresh + second == whole  # resumed from the complete step-3 checkpoint, bitwise
 
 
-def test_consolidate_from_s3_to_s3(s3: str, tmp_path: Path) -> None:
+def _cli(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "lightscale.cli", *args], check=True, timeout=180, cwd=cwd)
+
+
+def test_consolidate_export_and_convert_from_s3_to_s3(s3: str, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/consolidate"
     run_distributed(_fit, "fsdp2", max_steps=SAVED_AT, dirpath=url, world_size=2)
     source, output = f"{url}/step={SAVED_AT}.ckpt", f"{url}/model.ckpt"
-    command = [sys.executable, "-m", "lightscale.cli", "consolidate", source, output, "--with-optimizer"]
-    subprocess.run(command, check=True, timeout=180, cwd=tmp_path)
+    weights = SafeCheckpointIO().load_checkpoint(source)["state_dict"]
+    _cli("consolidate", source, output, "--with-optimizer", cwd=tmp_path)
     loaded = _load_in_fresh_process(output, tmp_path / "w.pt", with_lightscale=False)  # torch.load, no lightscale
-    _assert_same(loaded, SafeCheckpointIO().load_checkpoint(source)["state_dict"])
+    _assert_same(loaded, weights)
     single = SafeCheckpointIO().load_checkpoint(output)
     assert single["global_step"] == SAVED_AT and len(single["optimizer_states"]) == 1
+    _cli("export", source, f"{url}/model.safetensors", "--prefix", "", cwd=tmp_path)
+    exported = fsspec.filesystem("s3").cat(f"{BUCKET}/consolidate/model.safetensors")
+    _assert_same(safetensors.torch.load(exported), weights)
+    _cli("convert", source, f"{url}/model-dcp.ckpt", "--to", "dcp", "--prefix", "", cwd=tmp_path)
+    _assert_same(lightning_checkpoint(f"{url}/model-dcp.ckpt")["state_dict"], weights)  # the layout, in the bucket
     assert sorted(tmp_path.iterdir()) == [tmp_path / "w.pt"]
 
 
