@@ -40,8 +40,9 @@ from lightscale.errors import ConfigurationError
 COMPLETE = ".lightscale_complete"  # written last into a remote checkpoint directory: the directory is whole
 _EXTRA = {"s3fs": ", or pip install 'lightscale[s3]'"}  # the filesystems lightscale's extras install
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-# what pathlib makes of a URL: "s3://b/x" -> "s3:/b/x"; such a path must never become a local folder
-_MANGLED = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/[^/]")
+# what pathlib makes of a URL: "s3://b/x" -> "s3:/b/x"; such a path must never become a local folder (schemes have
+# two letters or more: "C:/x" stays a Windows drive)
+_MANGLED = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/[^/]")
 
 
 def url_scheme(path: Any) -> str | None:
@@ -94,7 +95,7 @@ def checkpoint_location(path: str | os.PathLike[str] | RemotePath) -> Path | Rem
 
 def refuse_url_like(path: Path) -> None:
     """Refuse a local path that is a URL mangled by pathlib (``s3:/bucket``): never a local folder named ``s3:``."""
-    if _MANGLED.match(str(path)) and not Path(str(path).split("/")[0]).exists():
+    if _MANGLED.match(str(path)):
         raise ConfigurationError(
             f"{str(path)!r} looks like a URL that lost one '/' of its '://' (pathlib.Path does that to URLs); "
             "pass the URL as a string, e.g. 's3://bucket/run', not Path('s3://bucket/run')."
