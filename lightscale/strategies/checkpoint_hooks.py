@@ -93,6 +93,14 @@ class CheckpointingStrategy(ProcessStrategy):
         check_shared(location, self.world_size)
         return location
 
+    def check_checkpoint_locations(self, trainer: Any) -> None:
+        """Before any rank starts: every ModelCheckpoint's ``dirpath`` as :meth:`checkpoint_location` takes it (a URL
+        whose filesystem is missing, or ``memory://`` on several ranks, is refused now, not at the first save)."""
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                check_shared(checkpoint_location(str(dirpath)), self.world_size)
+
     def check_checkpoint_dir(self, directory: str | Location) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
         runs only; see lightscale/storage/shared_dir.py). Each rank probes the path it resolved itself: the same

@@ -238,6 +238,7 @@ class ZeroStrategy(LightscaleStrategy):
 
     @override
     def check_before_launch(self, trainer: Trainer) -> None:
+        super().check_before_launch(trainer)
         self._check_trainer(trainer, precision_name(self.precision_plugin))
         if self._nvme_auto:
             writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))

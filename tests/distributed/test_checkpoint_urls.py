@@ -304,17 +304,22 @@ def test_memory_url_round_trip_in_one_process(tmp_path: Path, monkeypatch: pytes
     assert list(tmp_path.iterdir()) == []
 
 
-def _save_to_memory_on_two_ranks() -> str:
+def _save_to_memory_on_two_ranks() -> tuple[str, list[float]]:
+    losses = StepLosses()
+    saver = ModelCheckpoint(dirpath="memory://ckpts/shared", every_n_train_steps=1)
+    trainer = quiet_trainer(
+        _strategy("bucketed_ddp", "dcp"), devices=2, max_steps=2, callbacks=[losses, saver], enable_checkpointing=True
+    )
     try:
-        _fit("bucketed_ddp", max_steps=SAVED_AT, dirpath="memory://ckpts/shared")
+        trainer.fit(Regressor(), _loader(2))
     except ConfigurationError as error:
-        return str(error)
-    return "saved"
+        return str(error), losses.steps
+    return "trained", losses.steps
 
 
-def test_memory_url_is_refused_for_several_ranks() -> None:
-    messages = run_distributed(_save_to_memory_on_two_ranks, world_size=2)
-    assert all("memory://" in m and "2 ranks cannot share it" in m for m in messages), messages
+def test_memory_url_is_refused_for_several_ranks_before_training() -> None:
+    results = run_distributed(_save_to_memory_on_two_ranks, world_size=2)
+    assert all("memory://" in m and "2 ranks cannot share it" in m and s == [] for m, s in results), results
 
 
 def _resume_from_gs() -> tuple[str, list[float]]:
