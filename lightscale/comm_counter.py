@@ -6,7 +6,8 @@ DTensor issues for tensor parallelism, and point-to-point sends (pipelines). One
 callback and the exact-communication tests.
 
 A collective's elements are those of its whole buffer: the tensor all-reduced or broadcast, the gathered output of
-an all-gather, the input of a reduce-scatter or all-to-all, the tensor sent or received.
+an all-gather, the input of a reduce-scatter or all-to-all, the tensor sent or received. A c10d collective also records
+the global ranks of its group (which link it crossed: e.g. inside a node or between nodes).
 
 Example:
     >>> with CollectiveCounter() as counter:
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -68,6 +70,7 @@ class Collective:
     kind: str
     elements: int
     bytes: int
+    ranks: tuple[int, ...] = ()  # the group's global ranks (c10d ops; functional collectives leave it empty)
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -81,7 +84,7 @@ class CollectiveCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         kind = KINDS.get(getattr(func, "_overloadpacket", None))
         if kind is not None:
-            self.calls.append(_measure(kind, [*args, *(kwargs or {}).values()], out))
+            self.calls.append(_measure(kind, [*args, *(kwargs or {}).values()], out, _group_ranks(args)))
         return out
 
     def totals(self, *, min_bytes: int = 0) -> dict[str, Traffic]:
@@ -99,10 +102,18 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls.clear()
 
 
-def _measure(kind: str, args: list[Any], out: Any) -> Collective:
+def _measure(kind: str, args: list[Any], out: Any, ranks: tuple[int, ...]) -> Collective:
     buffers = [_size(arg) for arg in args] + [_size(out)] if kind == "all_gather" else [_size(arg) for arg in args]
     elements, nbytes = max(buffers, default=(0, 0))
-    return Collective(kind, elements, nbytes)
+    return Collective(kind, elements, nbytes, ranks)
+
+
+def _group_ranks(args: tuple) -> tuple[int, ...]:
+    """The global ranks of the process group a c10d op was given (it travels as a boxed ScriptObject)."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
+            return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
+    return ()
 
 
 def _size(value: Any) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from lightscale.estimate.activations import (
     transformer_activation_bytes,
 )
 from lightscale.estimate.memory_layout import Layout, layout_of
-from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states
+from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states, secondary_shard_bytes
 from lightscale.estimate.parameters import rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
@@ -100,6 +100,7 @@ def estimate_memory(
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
     extra = whole_gradient_elements(module, layout)
     states = model_states(dense, layout, per, extra_gradient_elements=extra, expert_sizes=experts)
+    secondary = secondary_shard_bytes(_unit_shapes(module) if layout.secondary_shard > 1 else [], layout, precision)
     saved, source = 0.0, "not estimated"
     if activations:
         saved, source = _activations(module, layout, precision, micro_batch, seq_len, batch)
@@ -110,13 +111,18 @@ def estimate_memory(
         micro_batch=micro_batch,
         num_params=sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters()),
         rank_params=sum(dense) + sum(experts),
-        parameters=states.parameters,
+        parameters=Placed(states.parameters.device + secondary, states.parameters.host),
         gradients=states.gradients,
         optimizer=states.optimizer,
         activations=Placed(device=saved),
         activation_source=source,
         activation_checkpointing=layout.activation_checkpointing,
     )
+
+
+def _unit_shapes(module: nn.Module) -> list[torch.Size]:
+    """Shapes of the parameters of the sharding units (hpZ keeps these over the secondary group)."""
+    return [p.shape for unit in sharding_units(module) for p in unit.parameters()]
 
 
 def build_on_meta(module: nn.Module) -> None:

@@ -51,6 +51,7 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     persistence_threshold: int = 0  # DeepSpeed ZeRO-3: parameters with at most this many elements stay whole
+    secondary_shard: int = 1  # ZeRO++ hpZ: units keep their parameters over this many ranks from forward to backward
     # Bytes per parameter kept beside the inner model's states, split like the parameters (DiLoCo: the fp32 global
     # copy, the outer momentum, the compression residual); counted with the optimizer state.
     outer_state_bytes: int = 0

@@ -21,6 +21,8 @@ from lightscale.estimate.memory_layout import Layout
 
 # Trainer precision -> bytes of one parameter as the module holds it.
 _PARAM_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}
+# Trainer precision -> bytes of one parameter as FSDP2 gathers it for compute (its param_dtype); others fp32.
+_COMPUTE_BYTES = {"bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
 _DEEPSPEED_PARAM_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
 
 
@@ -112,6 +114,17 @@ def model_states(
         gradients=_place(grads, host=grads_on_host),
         optimizer=_place(optim, host=layout.offload_optimizer),
     )
+
+
+def secondary_shard_bytes(unit_shapes: Sequence[Sequence[int]], layout: Layout, precision: str) -> int:
+    """ZeRO++ hpZ's extra parameter bytes per rank: from forward to backward every unit keeps 1/S of each
+    parameter's all-gather output (dim 0 padded to a multiple of ``dp_shard``) in the compute dtype, S =
+    ``layout.secondary_shard`` (torch's ``FSDPParam.to_sharded_post_forward``); 0 without secondary shards."""
+    n, s = layout.dp_shard, layout.secondary_shard
+    if s <= 1 or not layout.shard_parameters:
+        return 0
+    padded = [math.ceil(shape[0] / n) * n * math.prod(shape[1:]) for shape in unit_shapes]
+    return sum(numel // s for numel in padded) * _COMPUTE_BYTES.get(precision, 4)
 
 
 def _place(nbytes: float, *, host: bool) -> Placed:

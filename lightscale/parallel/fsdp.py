@@ -107,7 +107,7 @@ def apply_fsdp(
     units: Iterable[nn.Module] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     ignored_params: set[nn.Parameter] | None = None,
     root_reshard_after_forward: bool = False,
 ) -> nn.Module:

@@ -31,6 +31,7 @@ from lightscale.parallel.experts import apply_expert_parallel, expert_parameters
 from lightscale.parallel.fsdp import apply_fsdp
 from lightscale.parallel.mesh import axis, data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
+from lightscale.parallel.zeropp import ZeroPPOptions, apply_zeropp
 
 
 @dataclass
@@ -41,13 +42,14 @@ class ParallelizeOptions:
     compile: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True  # an int: to groups of that many ranks (ZeRO++ hpZ secondary shards)
     root_reshard_after_forward: bool = False  # manual optimization (lightscale/parallel/fsdp.py apply_fsdp)
     always_shard: bool = False  # FSDP even on one data-parallel rank (the fsdp2 names: same program at any size)
     float8: Float8Options | None = None  # torchao float8 Linear layers (lightscale/layers/float8.py)
     # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
     # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
     fsdp_over: Literal["data", "dp_shard", "none"] = "data"
+    zeropp: ZeroPPOptions | None = None  # quantized all-gather / reduce-scatter (lightscale/parallel/zeropp.py)
 
 
 def parallelize_model(
@@ -100,4 +102,6 @@ def parallelize_model(
             ignored_params=ignored,
             root_reshard_after_forward=options.root_reshard_after_forward,
         )
+        if options.zeropp is not None:
+            apply_zeropp(root, dp_mesh, options.zeropp)
     return root

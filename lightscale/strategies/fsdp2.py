@@ -7,6 +7,8 @@ name               what is sharded                                              
 ``fsdp2_grad_op``  the same, but parameters stay gathered from forward to backward   ZeRO-2 (+ params)
 ``hsdp``           sharded within groups of ``dp_shard`` ranks, replicated across    ZeRO-3 x DDP
 ``fsdp2_offload``  as ``fsdp2``, shards, gradients and optimizer step on the CPU     ZeRO-3 offload
+``fsdp2_zeropp``   as ``fsdp2``, weights and gradients sent as blockwise int8,        ZeRO++
+                   secondary shards inside each node (lightscale/parallel/zeropp.py)
 =================  =================================================================  ==================
 
 The model is built on the meta device in ``configure_model`` and materialized shard by shard after
@@ -20,10 +22,10 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -45,8 +47,9 @@ from lightscale.parallel.fsdp import (
 )
 from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
+from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
+from lightscale.plugins.precision_contract import FLOAT8, Compression, check_compression, enforce_contract
 from lightscale.strategies.base import LightscaleStrategy
 
 
@@ -68,6 +71,11 @@ class FSDP2Strategy(LightscaleStrategy):
         meta_init: build the model on the meta device and materialize only local shards.
         compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype instead of fp32 (``reduce_dtype``), the
             same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
+        quantized_weights: ``"int8"`` all-gathers parameters as blockwise int8 + fp32 scales (ZeRO++ qwZ).
+        quantized_gradients: ``"int8"``/``"int4"`` reduce-scatters gradients blockwise quantized, summed in fp32
+            (ZeRO++ qgZ).
+        secondary_shard: hpZ: after forward keep shards over groups of this many neighbouring ranks (``"node"``: the
+            processes per node), so backward's all-gather stays inside a node (docs/strategies/fsdp2.md, ZeRO++).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -86,6 +94,10 @@ class FSDP2Strategy(LightscaleStrategy):
             {"dp_replicate": 2, "dp_shard": -1},
         ),
         "fsdp2_offload": ("FSDP2 full shard with shards, grads and optimizer step on the CPU", {"offload": True}),
+        "fsdp2_zeropp": (
+            "FSDP2 with ZeRO++: weights and gradients sent as blockwise int8, backward gathers inside each node",
+            {"quantized_weights": "int8", "quantized_gradients": "int8", "secondary_shard": "node"},
+        ),
     }
     plannable = (
         Plannable("fsdp2", "3Ψ", "+ parameters sharded, re-gathered in backward"),
@@ -115,6 +127,7 @@ class FSDP2Strategy(LightscaleStrategy):
             offload_optimizer=self.offload,
             offload_parameters=self.offload,
             activation_checkpointing=self.activation_checkpointing,
+            secondary_shard=self._secondary_size(dims.dp_shard) or 1,
         )
 
     reads_single_files = False
@@ -132,10 +145,15 @@ class FSDP2Strategy(LightscaleStrategy):
         compile: bool = False,
         meta_init: bool = True,
         compression: Compression = "none",
+        quantized_weights: WeightWire = "none",
+        quantized_gradients: GradientWire = "none",
+        secondary_shard: int | Literal["node"] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_compression(compression, self.precision_family)
+        self.zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
+        self.zeropp.check_with(reshard_after_forward=reshard_after_forward, compression=compression)
         check_ac_mode(activation_checkpointing)
         _check_offload(offload, pin_memory)
         check_degrees({"dp_replicate": dp_replicate, "dp_shard": dp_shard})  # at construction, not at setup
@@ -154,7 +172,9 @@ class FSDP2Strategy(LightscaleStrategy):
     # ---- layout -------------------------------------------------------------------------------------------
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size=world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+        dims = ParallelDims(world_size=world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+        self.zeropp.secondary_group_size(dp_shard=dims.dp_shard, per_node=self.num_processes)  # refused before work
+        return dims
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -177,7 +197,20 @@ class FSDP2Strategy(LightscaleStrategy):
         emulate = bool(float8 := float8_options(plugin)) and float8.emulate
         device, compression = self.root_device.type, self.compression
         enforce_contract(self.precision_family, name, device_type=device, compression=compression, emulate=emulate)
+        self._refuse_float8_with_zeropp(name)
         return fsdp2_precision_plugin(name, self.root_device.type, given=plugin)
+
+    @override
+    def check_before_launch(self, trainer: Trainer) -> None:
+        self._refuse_float8_with_zeropp(precision_name(self.precision_plugin))
+
+    def _refuse_float8_with_zeropp(self, precision: str) -> None:
+        if precision in FLOAT8 and self.zeropp.enabled:
+            raise ConfigurationError(
+                f"precision={precision!r} already all-gathers float8 weights through torchao; ZeRO++'s quantized "
+                "wires and secondary shards are not combined with it. Use precision='bf16-mixed' with ZeRO++, or drop "
+                "quantized_weights, quantized_gradients and secondary_shard."
+            )
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
@@ -199,9 +232,10 @@ class FSDP2Strategy(LightscaleStrategy):
             mp_policy=mp_policy(precision_name(self.precision_plugin), self.compression),
             float8=float8_options(self.precision_plugin),
             offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory) if self.offload else None,
-            reshard_after_forward=self.reshard_after_forward,
+            reshard_after_forward=self._reshard_after_forward(),
             root_reshard_after_forward=manual_optimization(module),
             always_shard=True,
+            zeropp=self.zeropp if self.zeropp.enabled else None,
         )
         units = sharding_units(module, unit_classes=self.unit_classes)
         for root in self._roots:
@@ -210,6 +244,16 @@ class FSDP2Strategy(LightscaleStrategy):
         if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
             materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
         return module
+
+    def _reshard_after_forward(self) -> bool | int:
+        """hpZ: reshard the units to the secondary group size after forward (FSDP2's ``reshard_after_forward=N``)."""
+        return self._secondary_size(self.dims.dp_shard) or self.reshard_after_forward
+
+    def _secondary_size(self, dp_shard: int) -> int | None:
+        """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
+        shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
+        size = self.zeropp.secondary_group_size(dp_shard=dp_shard, per_node=self.num_processes)
+        return size if size is not None and 1 < size < dp_shard else None
 
     @override
     def model_to_device(self) -> None:
@@ -224,6 +268,11 @@ class FSDP2Strategy(LightscaleStrategy):
         return fsdp2_precision_plugin(name, device_type)
 
     def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
+        if self.zeropp.secondary_shard is not None:
+            raise ConfigurationError(
+                f"secondary_shard={self.zeropp.secondary_shard!r} (hpZ) is not applied inside a DiLoCo worker; its "
+                "quantized wires are (quantized_weights, quantized_gradients). Drop secondary_shard from inner=."
+            )
         return ParallelizeOptions(
             activation_checkpointing=activation_checkpointing,
             compile=compile,
@@ -231,6 +280,7 @@ class FSDP2Strategy(LightscaleStrategy):
             reshard_after_forward=self.reshard_after_forward,
             always_shard=True,
             fsdp_over="dp_shard",  # the workers meet through DiLoCo's outer sync, not through FSDP
+            zeropp=self.zeropp if self.zeropp.enabled else None,  # over the worker's ranks
         )
 
     def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:

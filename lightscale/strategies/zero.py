@@ -8,6 +8,7 @@ boundary is), LR schedulers (stepped per optimizer step, as under every other st
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -27,6 +28,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.fsdp import check_shardable
+from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
@@ -43,6 +45,7 @@ from lightscale.zero.checkpoint_dir import (
 from lightscale.zero.config import (
     ZeroOptions,
     build_config,
+    check_zeropp_device,
     micro_batch_size,
     read_user_config,
     validate_user_config,
@@ -77,6 +80,11 @@ class ZeroStrategy(LightscaleStrategy):
             the run's log dir when ``zero_infinity`` is chosen by name.
         compression: ``"bf16"``/``"fp16"`` reduce gradients in that dtype (DeepSpeed's ``communication_data_type``)
             instead of fp32, the same option as ``bucketed_ddp``'s (docs/plugins/precision.md).
+        quantized_weights: ``"int8"``: DeepSpeed's ZeRO++ qwZ (``zero_quantized_weights``); stage 3, CUDA only.
+        quantized_gradients: ``"int4"``: DeepSpeed's ZeRO++ qgZ (``zero_quantized_gradients``); stage 3, CUDA only.
+        secondary_shard: ranks per hpZ group (``zero_hpz_partition_size``; ``"node"``: the processes per node).
+            The same three arguments as :class:`~lightscale.strategies.fsdp2.FSDP2Strategy`'s; on CPU they are
+            refused when the Trainer is built (DeepSpeed's quantizer is a CUDA kernel).
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
@@ -147,6 +155,9 @@ class ZeroStrategy(LightscaleStrategy):
         nvme_path: str | None = None,
         config: dict[str, Any] | str | None = None,
         compression: Compression = "none",
+        quantized_weights: WeightWire = "none",
+        quantized_gradients: GradientWire = "none",
+        secondary_shard: int | Literal["node"] | None = None,
         checkpoint_format: CheckpointFormat = "dcp",
         **kwargs: Any,
     ) -> None:
@@ -155,7 +166,9 @@ class ZeroStrategy(LightscaleStrategy):
         check_compression(compression, self.precision_family)
         self.compression = compression
         self._group_names: list[list[str]] = []
-        self.options = ZeroOptions(stage, offload_optimizer, offload_params, None if nvme_path == "auto" else nvme_path)
+        zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
+        nvme = None if nvme_path == "auto" else nvme_path
+        self.options = ZeroOptions(stage, offload_optimizer, offload_params, nvme, zeropp=zeropp)
         self._nvme_auto = nvme_path == "auto"
         if nvme_path is not None and not self._nvme_auto:
             writable_dir(Path(nvme_path))  # at construction, before any process starts
@@ -163,6 +176,13 @@ class ZeroStrategy(LightscaleStrategy):
         validate_user_config(self.user_config)  # fail at construction, before any process starts
         self.config: dict[str, Any] | None = None
         self._engine: Any = None
+
+    @override
+    def set_world_ranks(self) -> None:
+        """The Trainer's constructor calls this once the accelerator is chosen: ZeRO++ off CUDA is refused here."""
+        super().set_world_ranks()
+        if self.parallel_devices:
+            check_zeropp_device(self.options.zeropp, self.root_device.type)
 
     @property
     def engine(self) -> Any:
@@ -218,6 +238,7 @@ class ZeroStrategy(LightscaleStrategy):
             compression=self.compression,
             user_config=self.user_config,
             torch_optimizer_on_host=optimizer is not None and type(optimizer).__name__ != "DeepSpeedCPUAdam",
+            processes_per_node=self.num_processes,
         )
         if not fitting and self.options.stage < 3:
             # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain
@@ -263,7 +284,7 @@ class ZeroStrategy(LightscaleStrategy):
     def _nvme_options(self, trainer: Trainer) -> ZeroOptions:
         # One swap directory per rank: ZeRO-Infinity file names are not unique across ranks of one machine.
         path = Path(trainer.log_dir or trainer.default_root_dir) / "zero_infinity_swap" / f"rank{self.global_rank}"
-        return ZeroOptions(self.options.stage, True, True, str(path))
+        return dataclasses.replace(self.options, offload_optimizer=True, offload_params=True, nvme_path=str(path))
 
     def _optimizer_and_scheduler(
         self, module: LightningModule
@@ -314,6 +335,7 @@ class ZeroStrategy(LightscaleStrategy):
             gradient_clip_val=None,
             precision="32-true",
             user_config=self.user_config,
+            processes_per_node=self.num_processes,
         )
 
     # ---- the step ---------------------------------------------------------------------------------------

@@ -17,13 +17,14 @@ import copy
 import difflib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.zeropp import ZeroPPOptions
 
 # Keys the Trainer or the strategy owns, and where to set them instead.
 OWNED_KEYS = {
@@ -42,6 +43,9 @@ OWNED_ZERO_KEYS = {
     "stage": "the strategy name (zero1, zero2, zero3, ...)",
     "offload_optimizer": "the strategy name (zero2_offload, zero3_offload, zero_infinity) or its arguments",
     "offload_param": "the strategy name (zero3_offload, zero_infinity) or its arguments",
+    "zero_quantized_weights": "the strategy's quantized_weights='int8' (ZeRO++ qwZ)",
+    "zero_quantized_gradients": "the strategy's quantized_gradients='int4' (ZeRO++ qgZ)",
+    "zero_hpz_partition_size": "the strategy's secondary_shard=N (ZeRO++ hpZ)",
 }
 # DeepSpeed's top-level config keys (deepspeed/runtime/constants.py and the config reference).
 KNOWN_KEYS = set(OWNED_KEYS) | {
@@ -103,10 +107,12 @@ class ZeroOptions:
     offload_optimizer: bool = False
     offload_params: bool = False
     nvme_path: str | None = None  # zero_infinity: offload to this directory instead of host memory
+    zeropp: ZeroPPOptions = field(default_factory=ZeroPPOptions)  # ZeRO++ (qwZ, qgZ int4, hpZ): stage 3 on CUDA
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ConfigurationError(f"ZeRO stage={self.stage!r} is not valid; choose 1, 2 or 3.")
+        check_deepspeed_zeropp(self.zeropp, self.stage)
         if self.offload_params and self.stage != 3:
             raise ConfigurationError(
                 f"Parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage "
@@ -114,8 +120,41 @@ class ZeroOptions:
             )
 
 
-def zero_section(options: ZeroOptions) -> dict[str, Any]:
+def check_deepspeed_zeropp(zeropp: ZeroPPOptions, stage: int) -> None:
+    """Refuse the ZeRO++ settings DeepSpeed has no form of: any below stage 3, int8 gradients (its qgZ is int4)."""
+    if zeropp.enabled and stage != 3:
+        raise ConfigurationError(
+            f"ZeRO++ (quantized_weights, quantized_gradients, secondary_shard) partitions parameters: it needs ZeRO "
+            f"stage 3, got stage {stage}; use zero3, or fsdp2_zeropp."
+        )
+    if zeropp.gradients == "int8":
+        raise ConfigurationError(
+            "quantized_gradients='int8' is FSDP2's (fsdp2_zeropp); DeepSpeed's qgZ sends int4: choose 'none' or "
+            "'int4' under zero3."
+        )
+
+
+def check_zeropp_device(zeropp: ZeroPPOptions, device_type: str) -> None:
+    """Refuse ZeRO++ off CUDA: DeepSpeed's quantizer (``QuantizerBuilder``) is a CUDA kernel with no CPU build, and
+    hpZ's secondary groups are counted in accelerator devices per node."""
+    if zeropp.enabled and device_type != "cuda":
+        raise ConfigurationError(
+            f"ZeRO++ under zero3 (quantized_weights={zeropp.weights!r}, quantized_gradients={zeropp.gradients!r}, "
+            f"secondary_shard={zeropp.secondary_shard!r}) runs DeepSpeed's CUDA quantizer, which has no build for "
+            f"{device_type}. Run on CUDA GPUs, or use fsdp2_zeropp (the same wires in torch ops, on any device)."
+        )
+
+
+def zero_section(options: ZeroOptions, *, processes_per_node: int = 1) -> dict[str, Any]:
     section: dict[str, Any] = {"stage": options.stage}
+    zeropp = options.zeropp
+    if zeropp.weights != "none":
+        section["zero_quantized_weights"] = True
+    if zeropp.gradients != "none":
+        section["zero_quantized_gradients"] = True
+    if zeropp.secondary_shard is not None:
+        node = zeropp.secondary_shard == "node"
+        section["zero_hpz_partition_size"] = processes_per_node if node else zeropp.secondary_shard
     device = "nvme" if options.nvme_path else "cpu"
     target = {"device": device, **({"nvme_path": options.nvme_path} if options.nvme_path else {})}
     if options.offload_optimizer:
@@ -158,15 +197,17 @@ def build_config(
     compression: str = "none",
     user_config: dict[str, Any] | None = None,
     torch_optimizer_on_host: bool = False,
+    processes_per_node: int = 1,
 ) -> dict[str, Any]:
     """The full engine config: the Trainer's and strategy's settings plus the user's validated extras.
 
     ``torch_optimizer_on_host``: the optimizer is not DeepSpeed's CPU Adam; under optimizer offload it steps the
     host partitions as itself, which DeepSpeed refuses unless ``zero_force_ds_cpu_optimizer`` is False.
+    ``processes_per_node``: what ``secondary_shard="node"`` means (DeepSpeed's ``zero_hpz_partition_size``).
     """
     user = copy.deepcopy(user_config or {})
     validate_user_config(user)
-    zero = {**user.pop("zero_optimization", {}), **zero_section(options)}
+    zero = {**user.pop("zero_optimization", {}), **zero_section(options, processes_per_node=processes_per_node)}
     on_host = torch_optimizer_on_host and options.offload_optimizer
     return {
         # Any torch optimizer steps the ZeRO partitions (SGD, Lion, ...), as under Lightning's DeepSpeed strategy;

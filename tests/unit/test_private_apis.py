@@ -64,6 +64,8 @@ PRIVATE_APIS = [
     ("lightning.pytorch.strategies.strategy", "_ForwardRedirection", "FSDP root hooks around training_step"),
     ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "ZeRO: the user's optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather", "ZeRO++: the quantized all-gather's base"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", "ZeRO++: the quantized reduce-scatter's base"),
     ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
     ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
     ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler._unscale_grads_", "MixedTensorGradScaler"),
@@ -98,6 +100,22 @@ def test_private_api_exists(module: str, path: str, used_for: str) -> None:
         _resolve(module, path)
     except (ImportError, AttributeError) as error:
         pytest.fail(f"{module}.{path} (used for: {used_for}) moved or vanished: {error}. See docs/architecture.md.")
+
+
+def test_fsdp2_custom_comm_hooks_keep_their_signatures() -> None:  # lightscale/parallel/zeropp.py implements them
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    assert list(inspect.signature(AllGather.__call__).parameters) == [
+        "self", "output_tensor", "input_tensor", "group", "async_op"
+    ]  # fmt: skip
+    assert list(inspect.signature(ReduceScatter.__call__).parameters) == [
+        "self", "output_tensor", "input_tensor", "group", "op", "async_op"
+    ]  # fmt: skip
+    assert list(inspect.signature(AllGather.allocate).parameters) == ["self", "size", "dtype", "device"]
+    assert callable(FSDPModule.set_custom_all_gather) and callable(FSDPModule.set_custom_reduce_scatter)
 
 
 def test_lightning_strategies_redirect_forward() -> None:  # FSDP roots enter training_step through it

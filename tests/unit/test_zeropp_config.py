@@ -1,0 +1,132 @@
+"""ZeRO++ options on the FSDP2 family: the registered name, bad values and conflicting options refused at construction
+(or, for what only the layout or the Trainer knows, before any model work), and the quantizer's round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.zeropp import BLOCK, ZeroPPOptions, dequantize_rows, quantize_rows, wire_bytes
+from lightscale.strategies import FSDP2Strategy
+
+
+def test_fsdp2_zeropp_is_registered() -> None:
+    import lightning
+
+    import lightscale  # noqa: F401  (registers the names)
+
+    strategy = lightning.Trainer(strategy="fsdp2_zeropp", accelerator="cpu", devices=2, logger=False).strategy
+    assert isinstance(strategy, FSDP2Strategy)
+    assert strategy.zeropp == ZeroPPOptions(weights="int8", gradients="int8", secondary_shard="node")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"quantized_weights": "int4"}, r"quantized_weights='int4' is not a ZeRO\+\+ wire.*'none', 'int8'"),
+        ({"quantized_gradients": "fp8"}, r"quantized_gradients='fp8'.*'none', 'int8', 'int4'"),
+        ({"secondary_shard": 1}, r"secondary_shard=1 is not a group size.*'node'"),
+        ({"secondary_shard": True}, r"secondary_shard=True is not a group size"),
+        ({"secondary_shard": 2, "reshard_after_forward": False}, r"reshard_after_forward=False.*Choose one"),
+        ({"quantized_gradients": "int8", "compression": "bf16"}, r"compression='bf16' both choose the gradient wire"),
+    ],
+)
+def test_bad_options_refused_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        FSDP2Strategy(**kwargs)
+
+
+def test_secondary_shard_must_divide_dp_shard() -> None:
+    strategy = FSDP2Strategy(secondary_shard=3)
+    with pytest.raises(ConfigurationError, match=r"secondary_shard=3 must divide dp_shard=4.*valid here: \[2, 4\]"):
+        strategy.parallel_dims(4)
+    assert ZeroPPOptions(secondary_shard="node").secondary_group_size(dp_shard=4, per_node=8) == 4  # gcd
+
+
+def test_float8_refused_with_zeropp() -> None:
+    import lightscale
+    from lightscale.plugins.fsdp_precision import Float8Precision
+
+    float8 = Float8Precision("float8", "cpu", emulate=True)
+    trainer = lightscale.Trainer(
+        strategy=FSDP2Strategy(quantized_weights="int8"), plugins=[float8], accelerator="cpu", devices=2, logger=False
+    )
+    with pytest.raises(ConfigurationError, match=r"precision='float8' already all-gathers float8 weights"):
+        trainer.strategy.check_before_launch(trainer)  # the launcher's first call, before any rank starts
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel", [1, 255, 256, 1000])
+def test_round_trip_within_half_a_step_and_exact_size(bits: int, numel: int) -> None:
+    rows = torch.randn(3, numel) * torch.tensor([[1.0], [1e-3], [0.0]])  # an all-zero row stays zero
+    wire = quantize_rows(rows, bits)
+    assert wire.dtype == torch.uint8 and wire.shape == (3, wire_bytes(numel, bits))
+    assert wire_bytes(numel, bits) == math.ceil(numel * bits / 8) + 4 * math.ceil(numel / BLOCK)
+    back = dequantize_rows(wire, numel, bits)
+    padded = torch.nn.functional.pad(rows, (0, -numel % BLOCK)).view(3, -1, BLOCK)
+    half_step = (padded.abs().amax(-1, keepdim=True) / (2**bits - 2)).expand_as(padded).reshape(3, -1)[:, :numel]
+    assert torch.all((back - rows).abs() <= half_step * (1 + 1e-6))
+    assert torch.equal(back[2], rows[2])
+
+
+# ---- zero3: the same arguments passed through to DeepSpeed's ZeRO++ ----------------------------------------------
+def test_zero3_passes_zeropp_to_deepspeed() -> None:
+    from lightscale.strategies.zero import ZeroStrategy
+    from lightscale.zero.config import build_config
+
+    strategy = ZeroStrategy(stage=3, quantized_weights="int8", quantized_gradients="int4", secondary_shard="node")
+    config = build_config(
+        strategy.options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="bf16-mixed",
+        processes_per_node=8,
+    )  # fmt: skip
+    zero = config["zero_optimization"]
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
+        True, True, 8
+    )  # fmt: skip
+    plain = build_config(
+        ZeroStrategy(stage=3).options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="32-true"
+    )
+    assert not {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"} & set(
+        plain["zero_optimization"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 2, "quantized_weights": "int8"}, r"needs ZeRO stage 3, got stage 2"),
+        ({"stage": 3, "quantized_gradients": "int8"}, r"DeepSpeed's qgZ sends int4: choose 'none' or 'int4'"),
+        ({"stage": 3, "quantized_weights": "fp8"}, r"quantized_weights='fp8' is not a ZeRO\+\+ wire"),
+        ({"stage": 3, "config": {"zero_optimization": {"zero_quantized_weights": True}}},
+         r"zero_optimization.zero_quantized_weights is set by the strategy's quantized_weights='int8'"),
+    ],
+)  # fmt: skip
+def test_zero3_zeropp_refused_at_construction(kwargs: dict, match: str) -> None:
+    from lightscale.strategies.zero import ZeroStrategy
+
+    with pytest.raises(ConfigurationError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_zero3_zeropp_refused_on_cpu_when_the_trainer_is_built() -> None:
+    import lightscale
+    from lightscale.strategies.zero import ZeroStrategy
+
+    with pytest.raises(
+        ConfigurationError, match=r"runs DeepSpeed's CUDA quantizer, which has no build for cpu.*fsdp2_zeropp"
+    ):
+        lightscale.Trainer(strategy=ZeroStrategy(stage=3, quantized_weights="int8"), accelerator="cpu", devices=2)
+    lightscale.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, logger=False)  # without: fine
+
+
+def test_blocks_restart_at_each_parameter() -> None:
+    # A norm's weights (~1) beside a matrix's (~0.01): with segments the matrix keeps a step of its own.
+    rows = torch.cat([torch.ones(1, 100), torch.full((1, 300), 0.01) * torch.linspace(-1, 1, 300)], dim=1)
+    mixed = (dequantize_rows(quantize_rows(rows, 8), 400, 8) - rows)[:, 100:].abs().max()
+    wire = quantize_rows(rows, 8, (100, 300))
+    assert wire.shape[1] == wire_bytes(400, 8, (100, 300)) == 400 + 4 * (1 + 2)
+    apart = (dequantize_rows(wire, 400, 8, (100, 300)) - rows)[:, 100:].abs().max()
+    assert apart <= 0.01 / 254 * (1 + 1e-6) < mixed
