@@ -12,6 +12,7 @@ BENCHMARKS = [
     "bench_zero.py",
     "bench_cpu_adam.py",
     "bench_fsdp2.py",
+    "bench_muon.py",
     "bench_3d.py",
     "bench_moe.py",
     "bench_experts.py",

@@ -50,6 +50,8 @@ from lightscale.data.sampler import exactly_once_loader, position_in_epoch, seed
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.optim.install import install_exact_optimizers
+from lightscale.optim.rule import ParameterView, check_optimizers
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import Family, check_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
@@ -81,6 +83,8 @@ class LightscaleStrategy(CheckpointingStrategy):
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
     precision_family: ClassVar[Family | None] = None  # its column of the precision contract (precision_contract.py)
     plannable: ClassVar[tuple[Plannable, ...]] = ()  # names the planner may choose (lightscale/estimate/plan.py)
+    # How its optimizer sees parameters: which shape-dependent optimizers run exactly (lightscale/optim/rule.py).
+    parameter_view: ClassVar[ParameterView] = "whole"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
@@ -234,6 +238,9 @@ class LightscaleStrategy(CheckpointingStrategy):
         self.model = self.apply_parallelism(self.model)
         if fitting:
             self.setup_optimizers(trainer)
+            self.check_optimizers(self.optimizers)  # before the first step: exact as one process, or refused
+            view = self.optimizer_parameter_view()  # e.g. torch's Adafactor stepped on DTensor shards
+            self.optimizers = install_exact_optimizers(self.optimizers, self.lr_scheduler_configs, view)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -257,6 +264,23 @@ class LightscaleStrategy(CheckpointingStrategy):
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
+
+    # ---- optimizers ----------------------------------------------------------------------------------------
+    @classmethod
+    def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
+        """How the optimizer sees parameters under an alias with ``init_params`` (DiLoCo's depends on ``inner``)."""
+        return cls.parameter_view
+
+    def optimizer_parameter_view(self) -> ParameterView:
+        """How this instance's optimizer sees parameters."""
+        return type(self).parameter_view
+
+    def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Refuse an optimizer whose step reads a parameter's shape where this strategy would change its math
+        (lightscale/optim/rule.py); the error names the strategy names under which it runs exactly."""
+        check_optimizers(
+            optimizers, view=self.optimizer_parameter_view(), strategy=type(self).__name__, names_by_view=names_by_view
+        )
 
     def configure_precision(self, plugin: Precision) -> Precision:
         """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
@@ -339,6 +363,15 @@ class LightscaleStrategy(CheckpointingStrategy):
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def names_by_view() -> dict[str, ParameterView]:
+    """Every registered strategy name and how its optimizer sees parameters (for lightscale/optim/rule.py's error)."""
+    return {
+        name: known.parameter_view_for(init_params)
+        for known in REGISTERED
+        for name, (_, init_params) in known.__dict__["aliases"].items()
+    }
 
 
 def check_checkpoint_format(cls: type[LightscaleStrategy], checkpoint_format: str) -> None:

@@ -55,6 +55,7 @@ class FitMemoryStrategy(LightscaleStrategy):
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
     """
 
+    parameter_view = "flat"  # it may become ZeRO; once chosen, that class checks (lightscale/optim/rule.py)
     aliases = {
         "fit_memory": ("the least-communication strategy whose memory estimate fits the device (lightscale plan)", {})
     }

@@ -131,6 +131,7 @@ class FSDP2Strategy(LightscaleStrategy):
         )
 
     reads_single_files = False
+    parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.parallelize import ParallelizeOptions
 
@@ -52,3 +53,8 @@ class InnerStrategy(Protocol):
         ...
 
     def stop_inner_sync(self) -> None: ...
+
+    def optimizer_parameter_view(self) -> ParameterView:
+        """How the worker's optimizer sees its parameters: which shape-dependent optimizers run exactly
+        (lightscale/optim/rule.py)."""
+        ...

@@ -113,6 +113,7 @@ class ZeroStrategy(LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
+    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (lightscale/optim/rule.py)
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
@@ -296,6 +297,7 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s). {SEVERAL_OPTIMIZERS}"
             )
         optimizer = optimizers[0]
+        self.check_optimizers([optimizer])  # shape-dependent optimizers would step flat partitions: refused
         check_zero_optimizer(optimizer)
         self._group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer:

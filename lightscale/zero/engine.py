@@ -14,13 +14,12 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
+from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
 from lightscale.patches.deepspeed import name_cpu_accelerator
-from lightscale.patches.torch_internals import track_optimizer_steps
 
 
 def require_deepspeed() -> None:
@@ -92,21 +91,6 @@ def host_optimizer(optimizer: torch.optim.Optimizer, user_config: dict[str, Any]
         return cpu_adam_from(optimizer)
     rank_zero_info(f"lightscale: optimizer offload steps {name} with torch's own implementation on the host.")
     return optimizer
-
-
-def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
-    """Point a scheduler built on the user's optimizer at the one that really steps (the host optimizer under
-    offload), and track that optimizer's steps as torch's scheduler does at construction.
-
-    The user's ``configure_optimizers`` builds both before the strategy swaps the optimizer; without the tracking,
-    torch's first ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden after learning rate
-    scheduler initialization", although the order is right.
-
-    Example:
-        >>> rebind_scheduler(scheduler, cpu_adam_from(optimizer))
-    """
-    scheduler.optimizer = optimizer
-    track_optimizer_steps(optimizer)  # torch's own marking: lightscale/patches/torch_internals.py
 
 
 def cpu_adam_from(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -299,6 +299,43 @@ def _two_optimizers_under_zero():
     _zero(stage=2)._optimizer_and_scheduler(module)
 
 
+class Shampoo(torch.optim.SGD):
+    shape_dependent = True  # a user's own optimizer opts in to the rule (lightscale/optim/rule.py)
+
+
+def _adafactor_under_zero():
+    """ZeRO's own optimizer set-up (before DeepSpeed's engine is built), as for two optimizers."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def configure_optimizers(self):
+            return torch.optim.Adafactor(self.parameters())
+
+    module = Module()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    _zero(stage=2)._optimizer_and_scheduler(module)
+
+
+def _shape_dependent_under(name: str, optimizer: str):
+    """An optimizer whose step reads a parameter's shape, under the strategy ``name`` with its defaults (at setup)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    params = [torch.nn.Parameter(torch.ones(4, 4))]
+    if optimizer == "combined":
+        from lightscale.optim import CombinedOptimizer
+
+        vector = [torch.nn.Parameter(torch.ones(4))]
+        built = CombinedOptimizer([torch.optim.AdamW(params), torch.optim.SGD(vector, lr=0.1)])
+    else:
+        built = {"adafactor": torch.optim.Adafactor, "muon": torch.optim.Muon}.get(optimizer, Shampoo)(params, lr=0.1)
+    entry = StrategyRegistry[name]
+    entry["strategy"](**entry["init_params"]).check_optimizers([built])
+
+
 class GAN(torch.nn.Module):
     """A LightningModule's layout under manual optimization: two child networks (tied, or one own parameter)."""
 
@@ -784,6 +821,18 @@ CATALOGUE: list[tuple] = [
      _two_optimizers_under_zero, CE,
      r"need exactly one optimizer.*returned 2 optimizer\(s\).*run under "
      r"BucketedDDPStrategy\(find_unused_parameters=True\)"),
+    ("optimizer-shape-zero", "an optimizer whose step reads a parameter's shape (torch's Adafactor) under ZeRO, which "
+     "would step it on flat partitions (at setup)", _adafactor_under_zero, CE,
+     r"torch.optim.Adafactor cannot run under ZeroStrategy.*flat 1-D partitions.*runs exactly under: bucketed_ddp"),
+    ("optimizer-shape-muon-zero", "torch's Muon under ZeRO (Newton-Schulz needs whole matrices; at setup)",
+     lambda: _shape_dependent_under("zero3", "muon"), CE,
+     r"torch.optim.Muon cannot run under ZeroStrategy.*runs exactly under: .*fsdp2"),
+    ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
+     "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
+     r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),
+    ("optimizer-shape-user", "a user's optimizer declaring `shape_dependent = True` under fsdp2 (at setup)",
+     lambda: _shape_dependent_under("fsdp2", "users"), CE,
+     r"Shampoo cannot run under FSDP2Strategy.*runs exactly under: bucketed_ddp.*`shape_dependent = True`"),
     ("manual-own-parameter", "manual optimization under an FSDP2 name with a parameter on the LightningModule itself "
      "(at setup)", lambda: _manual_roots(own=True), CE,
      r"\['scale'\] belong to the LightningModule itself.*Move them into a child module.*"

@@ -22,6 +22,7 @@ FLOORS = {
     "lightscale.layers": 1,
     "lightscale.resume": 1,
     "lightscale.parallel": 2,
+    "lightscale.optim": 2,
     "lightscale.zero": 3,
     "lightscale.data": 3,
     "lightscale.plugins": 3,

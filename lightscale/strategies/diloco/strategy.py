@@ -37,6 +37,7 @@ from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
+from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
@@ -113,8 +114,18 @@ class DiLoCoStrategy(LightscaleStrategy):
         "local_sgd": ("local SGD: workers average their parameters every H=100 steps", {"mode": "local_sgd"}),
     }
     plannable = ()
+    parameter_view = "whole"  # the default inner's; inner="fsdp2" steps DTensor shards (parameter_view_for)
     reads_single_files = False
     checkpoint_formats = ("dcp", "file")  # "file": the global model (inner="bucketed_ddp": whole on every rank)
+
+    @classmethod
+    @override
+    def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
+        return inner_strategy(init_params.get("inner", "bucketed_ddp")).optimizer_parameter_view()
+
+    @override
+    def optimizer_parameter_view(self) -> ParameterView:
+        return self.inner.optimizer_parameter_view()  # the inner strategy's optimizer steps a worker's parameters
 
     def __init__(
         self,

@@ -98,6 +98,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     """
 
     precision_family = "parallel_3d"
+    parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
         "tp2": ("tensor parallel over 2 ranks (sequence + loss parallel), the rest FSDP2", {"tp": 2}),
