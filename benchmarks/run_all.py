@@ -20,6 +20,7 @@ BENCHMARKS = [
     "bench_clip.py",
     "bench_memory.py",
     "bench_async_save.py",
+    "s3_save.py",
     "bench_diloco.py",
     "bench_slow_link.py",
     "bench_consolidate.py",

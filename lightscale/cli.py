@@ -37,6 +37,7 @@ from lightscale.commands.schedule_plot import draw_schedule, idle_fractions, sch
 from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
+from lightscale.storage.urls import checkpoint_location
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
 
@@ -175,7 +176,7 @@ def export(args: list[str], *, format: str = "auto") -> None:
         raise ConfigurationError(f"--format {target!r} is not an export format; valid: ['safetensors', 'torch'].")
     forced = {"zero": "deepspeed", "fsdp2": "dcp"}
     try:
-        source = forced.get(format) or detect_source(Path(parsed.checkpoint))
+        source = forced.get(format) or detect_source(checkpoint_location(parsed.checkpoint))
         state = read_model_state(parsed.checkpoint, prefix=parsed.prefix, source=source, averaged=parsed.averaged)
         write_model_state(state, parsed.output, target)
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError

@@ -9,6 +9,10 @@ directories) and renames it into place when complete, so staging left-overs of a
 Of those, the newest by modification time wins, the rule Lightning's ``ckpt_path="last"`` applies to ``last*.ckpt``
 (here step-named top-k files count too, so ``save_last`` is not required).
 
+In object storage (an fsspec URL, lightscale/storage/urls.py) a checkpoint directory is complete when it holds the
+completion marker, which is written last, so its time is the save's; a name whose marker is gone mid-publish counts
+through its complete staged copy (``X.ckpt.tmp/``); single objects are complete once they exist.
+
 Every rank decides alone from the same directory: at the start of ``fit`` no rank of this attempt has saved yet and
 every rank of the previous attempt is gone, so they all see the same files.
 
@@ -24,14 +28,18 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightscale.errors import ConfigurationError
+from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.urls import COMPLETE, Location, RemotePath, checkpoint_location, is_complete
 
 RESUME_CHOICES = ("auto", "never")
 _STAGING_SUFFIXES = (".tmp", ".partial", ".trash")  # never complete, whatever precedes the suffix
 
 
-def newest_checkpoint(dirpath: str | Path) -> Path | None:
+def newest_checkpoint(dirpath: str | Location) -> Location | None:
     """The newest complete checkpoint (file or directory) in ``dirpath``; None when there is none."""
-    directory = Path(dirpath)
+    directory = checkpoint_location(dirpath)
+    if isinstance(directory, RemotePath):
+        return newest_remote_checkpoint(directory)
     if not directory.is_dir():
         return None
     complete = [path for path in directory.iterdir() if path.suffix == ".ckpt" and _is_complete(path)]
@@ -39,6 +47,23 @@ def newest_checkpoint(dirpath: str | Path) -> Path | None:
         return None
     # Ties (a coarse clock): prefer last*.ckpt, which ModelCheckpoint writes after the step-named copy.
     return max(complete, key=lambda path: (path.stat().st_mtime_ns, path.name.startswith("last")))
+
+
+def newest_remote_checkpoint(directory: RemotePath) -> RemotePath | None:
+    """:func:`newest_checkpoint` in object storage: by the time of each complete checkpoint's marker (or object)."""
+    names = {name.removesuffix(".tmp") for name in directory.names()}
+    times = {}
+    for name in sorted(name for name in names if name.endswith(".ckpt")):
+        found = complete_checkpoint(directory / name)
+        if not isinstance(found, RemotePath):
+            continue
+        if is_complete(found):
+            times[directory / name] = (found / COMPLETE).modified()  # written last: when the save finished
+        elif found.is_file():
+            times[directory / name] = found.modified()
+    if not times:
+        return None
+    return max(times, key=lambda path: (times[path], path.name.startswith("last")))
 
 
 def _is_complete(path: Path) -> bool:
@@ -52,7 +77,7 @@ def check_resume(resume: Any) -> None:
         raise ConfigurationError(f"resume={resume!r} is not valid; valid values are {list(RESUME_CHOICES)} or None.")
 
 
-def checkpoint_dir(callbacks: list[Any], *, has_logger: bool, default_root_dir: str) -> Path:
+def checkpoint_dir(callbacks: list[Any], *, has_logger: bool, default_root_dir: str) -> Location:
     """The one directory this run's checkpoints go to; a clear error when that is not one fixed directory."""
     if not callbacks:
         raise ConfigurationError(
@@ -68,7 +93,7 @@ def checkpoint_dir(callbacks: list[Any], *, has_logger: bool, default_root_dir: 
         )
     (dirpath,) = dirpaths
     if dirpath is not None:
-        return Path(dirpath)
+        return checkpoint_location(dirpath)  # a local path or an fsspec URL
     if has_logger:  # Lightning's default is under the logger's version directory, a new one per run
         raise ConfigurationError(
             "resume='auto' needs ModelCheckpoint(dirpath=...): without it checkpoints go to the logger's "
@@ -77,7 +102,7 @@ def checkpoint_dir(callbacks: list[Any], *, has_logger: bool, default_root_dir: 
     return Path(default_root_dir) / "checkpoints"  # Lightning's default without a logger
 
 
-def resolve_resume(resume: str | None, ckpt_path: Any, directory: Path | None) -> Any:
+def resolve_resume(resume: str | None, ckpt_path: Any, directory: Location | None) -> Any:
     """The ``ckpt_path`` to hand to Lightning: an explicit one wins; ``resume="auto"`` finds the newest in
     ``directory`` (from :func:`checkpoint_dir`)."""
     if resume != "auto":

@@ -23,6 +23,7 @@ from lightscale.plugins.precision import (
     maybe_float8_plugin,
 )
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
+from lightscale.storage.urls import RemotePath
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies
 
@@ -71,7 +72,7 @@ class Trainer(LightningTrainer):
         if not isinstance(self.strategy, LightscaleStrategy):  # a lightscale run earlier in this process published one
             forget_data_shard()
         self.resume = resume
-        self._resume_dir: Path | None = None
+        self._resume_dir: Path | RemotePath | None = None
         if resume == "auto":  # a run that could never find its checkpoints fails here, before any work
             has_logger = bool(self.loggers)
             self._resume_dir = checkpoint_dir(

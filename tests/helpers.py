@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -136,8 +136,9 @@ def _interruption(stop_after: int | None, checkpoint: str | None) -> list[pl.Cal
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     assert checkpoint is not None and checkpoint.endswith(".ckpt")
-    path = Path(checkpoint)
-    saver = ModelCheckpoint(dirpath=path.parent, filename=path.stem, every_n_train_steps=stop_after, save_top_k=-1)
+    directory = os.path.dirname(checkpoint) or "."  # a string: an fsspec URL keeps its "//" (Path would drop one)
+    name = os.path.basename(checkpoint).removesuffix(".ckpt")
+    saver = ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=stop_after, save_top_k=-1)
     return [saver, StopAfter(stop_after)]
 
 

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightscale.runtime.barrier import barrier
-from lightscale.storage.atomic_dir import publish, staging_path, start_staging
+from lightscale.storage.atomic_dir import agreed_staging, publish
+from lightscale.storage.urls import storage_writer
 
 
 class AsyncCheckpointWriter:
@@ -55,15 +55,10 @@ class AsyncCheckpointWriter:
         memory. ``write_rest(staging_dir)`` (rank 0 only; ``None`` elsewhere) adds the other files before the
         publish; it must not read live training objects (pass it copies)."""
         self.wait()
-        distributed = dist.is_initialized()
-        rank = dist.get_rank() if distributed else 0
-        staging = staging_path(path)
-        if rank == 0:
-            start_staging(path)
-        if distributed:
-            barrier()  # the training group, from the training thread: nobody writes before the clean-up
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        staging = agreed_staging(path)  # the training group, from the training thread: nobody writes before clean-up
         upload = dcp.async_save(
-            state, checkpoint_id=str(staging), process_group=self._side_group(), async_stager=self._stager
+            state, storage_writer=storage_writer(staging), process_group=self._side_group(), async_stager=self._stager
         )
         self._pending = self._thread().submit(self._publish, upload, staging, path, rank == 0, write_rest)
 

@@ -35,13 +35,14 @@ from typing import Any
 
 import lightning
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 from torch import Tensor
 
 from lightscale.checkpoint.portable import check_checkpoint_dir, full_model_state_dict, write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import atomic_path, load_weights_only, save_atomically
+from lightscale.storage.urls import Location, RemotePath, checkpoint_location, refuse_remote
 from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 
 TARGETS = ("safetensors", "torch", "dcp")
@@ -63,7 +64,7 @@ def check_target(target: str) -> None:
         raise ConfigurationError(f"--to {target!r} is not a conversion target; valid: {list(TARGETS)}.")
 
 
-def detect_source(path: Path) -> str:
+def detect_source(path: Location) -> str:
     """Which of :data:`SOURCES` ``path`` is (files are told apart by their content when loaded)."""
     if path.is_dir():
         if (path / CHECKPOINT_TAG).is_dir():
@@ -88,7 +89,7 @@ def read_model_state(
     Runs in one process, no process group; never runs code from the files (a payload is refused with
     :class:`~lightscale.storage.safe_dcp.UnsafeCheckpointError`).
     """
-    path = complete_checkpoint(Path(checkpoint))
+    path = complete_checkpoint(checkpoint_location(checkpoint))  # a local path or an fsspec URL
     source = detect_source(path) if source == "auto" else source
     if averaged and source != "dcp":
         raise ConfigurationError(
@@ -100,27 +101,28 @@ def read_model_state(
             check_checkpoint_dir(path)  # raises, naming what a DCP checkpoint directory holds
         return full_model_state_dict(path, prefix=prefix, part="averaged" if averaged else "model")
     if source == "deepspeed":
+        refuse_remote(path, "reading DeepSpeed's own directory", instead="copy it to local disk first")
         return _non_empty(consolidate_zero_checkpoint(path, prefix=prefix), path, prefix)
     if source == "safetensors":
         return _read_safetensors(path)
     return _read_torch_file(path, prefix=prefix)
 
 
-def _non_empty(state: dict[str, Tensor], path: Path, prefix: str) -> dict[str, Tensor]:
+def _non_empty(state: dict[str, Tensor], path: Location, prefix: str) -> dict[str, Tensor]:
     if not state:
         raise ConfigurationError(f"No model key of {path} starts with prefix {prefix!r}; pass --prefix '' to keep all.")
     return state
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
+def _read_safetensors(path: Location) -> dict[str, Tensor]:
 
     try:
-        return load_file(path)
+        return load(path.read_bytes().getvalue()) if isinstance(path, RemotePath) else load_file(path)
     except SafetensorError as error:
         raise ConfigurationError(f"{path} is not a readable .safetensors file: {error}") from None
 
 
-def _read_torch_file(path: Path, *, prefix: str) -> dict[str, Tensor]:
+def _read_torch_file(path: Location, *, prefix: str) -> dict[str, Tensor]:
     """A Lightning ``.ckpt`` (its ``state_dict``, ``prefix`` stripped) or a plain state dict, weights-only."""
     loaded = load_weights_only(path)
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):  # a Lightning checkpoint
@@ -142,8 +144,9 @@ def write_model_state(
 ) -> None:
     """Write the single-device ``state`` as ``target`` (one of :data:`TARGETS`) at ``output``, atomically."""
     check_target(target)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = checkpoint_location(output)  # a local path or an fsspec URL
+    if isinstance(output, Path):
+        output.parent.mkdir(parents=True, exist_ok=True)
     if target == "safetensors":
         save_safetensors(state, output)
     elif target == "torch":
@@ -152,7 +155,7 @@ def write_model_state(
         save_model_dcp(state, output, prefix=prefix)
 
 
-def save_safetensors(state: dict[str, Tensor], output: Path) -> None:
+def save_safetensors(state: dict[str, Tensor], output: Location) -> None:
     """One ``.safetensors`` file that ``load_file`` + ``model.load_state_dict`` (strict) reads back.
 
     safetensors refuses tensors that share memory; tied weights (the GPT's embedding and head) are therefore
@@ -162,6 +165,9 @@ def save_safetensors(state: dict[str, Tensor], output: Path) -> None:
     not_tensors = sorted(key for key, value in state.items() if not isinstance(value, Tensor))
     if not_tensors:
         raise ConfigurationError(f"safetensors stores tensors only; these entries are not: {not_tensors[:5]}.")
+    if isinstance(output, RemotePath):  # one object, written whole
+        output.write_bytes(save(_unshared(state), metadata={"format": "pt"}))
+        return
     with atomic_path(output) as partial:
         save_file(_unshared(state), str(partial), metadata={"format": "pt"})
 
@@ -178,7 +184,7 @@ def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "model.") -> None:
+def save_model_dcp(state: dict[str, Tensor], output: Location, *, prefix: str = "model.") -> None:
     """The portable layout's ``model`` part (LightningModule keys: ``prefix`` added) and a trainer state that
     records where it came from; written by the one writer of the layout, in one process."""
 
@@ -187,7 +193,7 @@ def save_model_dcp(state: dict[str, Tensor], output: Path, *, prefix: str = "mod
         "pytorch-lightning_version": lightning.__version__,
         "lightscale": {"format": 1, "strategy": CONVERTED_BY, "world_size": 1},
     }
-    write_checkpoint(output, {"model": model}, trainer_state, lambda data, path: save_atomically(data, Path(path)))
+    write_checkpoint(output, {"model": model}, trainer_state, lambda data, path: save_atomically(data, path))
 
 
 def convert(

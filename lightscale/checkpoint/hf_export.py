@@ -29,6 +29,7 @@ from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, 
 from lightscale.errors import ConfigurationError, import_extra
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import SafeCheckpointIO
+from lightscale.storage.urls import checkpoint_location, refuse_remote
 
 MODELS = "models"  # trainer_state["lightscale"][MODELS]: [{"attribute", "class", "library", "config"}]
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' default for save_pretrained
@@ -96,11 +97,13 @@ def export_hf(
 ) -> dict[str, str]:
     """Write the model of ``checkpoint`` (raw weights, or the average with ``averaged``) to directory ``output``;
     returns the record of the model written. One process, no process group; nothing in the checkpoint runs."""
-    path = complete_checkpoint(Path(checkpoint))
+    path = complete_checkpoint(checkpoint_location(checkpoint))  # a local path or an fsspec URL
     entry = choose_model(recorded_models(path), module, path)
     part = "averaged" if averaged else "model"
     state = full_model_state_dict(path, prefix=entry["attribute"] + ".", part=part)
-    output = Path(output)
+    output = checkpoint_location(output)
+    refuse_remote(output, "export --hf (transformers' save_pretrained)", instead="export to a local directory")
+    assert isinstance(output, Path)
     output.mkdir(parents=True, exist_ok=True)
     if entry["library"] == "transformers":
         _save_pretrained(entry, state, output, max_shard_size)

@@ -38,8 +38,9 @@ from torch.optim import Optimizer
 from lightscale.checkpoint.averaged import AVERAGED_META, to_lightning_convention
 from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.errors import ConfigurationError
-from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.safe_io import load_weights_only
+from lightscale.storage.urls import Location, checkpoint_location
 from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
@@ -86,13 +87,13 @@ def merge_descriptions(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, A
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
-def is_lightscale_directory(path: Path) -> bool:
+def is_lightscale_directory(path: Location) -> bool:
     """A portable layout directory or a DeepSpeed engine directory written by a ZeRO strategy."""
     return path.is_dir() and ((path / ".metadata").is_file() or (path / CHECKPOINT_TAG).is_dir())
 
 
 def lightning_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     *,
     optimizer: bool = False,
     averaged: bool = True,
@@ -106,7 +107,7 @@ def lightning_checkpoint(
     callback writes it (``state_dict`` the average, ``current_model_state`` the raw weights: checkpoint/averaged.py);
     ``averaged=False`` leaves it out (``state_dict`` the raw weights).
     """
-    path = Path(path)
+    path = checkpoint_location(path)
     if (path / CHECKPOINT_TAG).is_dir():
         checkpoint = _from_deepspeed(path)
     else:
@@ -115,7 +116,7 @@ def lightning_checkpoint(
     return _mapped(checkpoint, map_location)
 
 
-def _from_layout(path: Path, *, optimizer: bool, weights_only: bool | None, averaged: bool) -> dict[str, Any]:
+def _from_layout(path: Location, *, optimizer: bool, weights_only: bool | None, averaged: bool) -> dict[str, Any]:
     rest = _read_trainer_state(path / TRAINER_STATE, weights_only=weights_only)
     writer = rest.pop("lightscale", {})
     rest.pop("diloco", None)  # DiLoCo's worker bookkeeping; its global model is the state_dict
@@ -133,10 +134,10 @@ def _from_layout(path: Path, *, optimizer: bool, weights_only: bool | None, aver
     return checkpoint
 
 
-def _why_no_optimizer_state(path: Path, writer: dict[str, Any]) -> str | None:
+def _why_no_optimizer_state(path: Location, writer: dict[str, Any]) -> str | None:
     """None when the layout's optimizer state can be given in torch's format, else the reason it cannot."""
     strategy = writer.get("strategy", "an unknown writer")
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = safe_reader(path).read_metadata().state_dict_metadata
     if not any(key.startswith(_OPTIMIZER) for key in entries):
         return f"{path} (written by {strategy}) holds no optimizer state in the portable layout"
     if writer.get("optimizers") is None:
@@ -147,7 +148,7 @@ def _why_no_optimizer_state(path: Path, writer: dict[str, Any]) -> str | None:
     return None
 
 
-def _read_trainer_state(file: Path, *, weights_only: bool | None) -> dict[str, Any]:
+def _read_trainer_state(file: Location, *, weights_only: bool | None) -> dict[str, Any]:
     hint = (
         "A plain class of yours in it (a config dataclass in the hyper-parameters) loads once registered with "
         "lightscale.checkpoint.allow_in_checkpoints(cls) in this process; else pass weights_only=False only if you "
@@ -174,11 +175,11 @@ def _from_deepspeed(path: Path) -> dict[str, Any]:
     }
 
 
-def read_optimizer_states(path: Path, described: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def read_optimizer_states(path: Location, described: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """torch's ``Optimizer.state_dict()`` of each optimizer the writer recorded, from the name-keyed layout.
 
     One read of every ``optimizer.*`` entry (tensors full size, hyper-parameters weights-only)."""
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = safe_reader(path).read_metadata().state_dict_metadata
     template = {
         key[len(_OPTIMIZER) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
         if isinstance(meta, TensorStorageMetadata)

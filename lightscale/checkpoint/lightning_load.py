@@ -41,13 +41,15 @@ from lightscale.checkpoint.lightning_format import check_optimizers, is_lightsca
 from lightscale.patches.lightning import route_checkpoint_loading
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import checkpoint_safe_globals
+from lightscale.storage.urls import Location, checkpoint_location
 
 
-def _local_directory(path_or_url: Any) -> Path | None:
-    """The lightscale checkpoint directory ``path_or_url`` names (or its previous copy after a crash), else None."""
-    if not isinstance(path_or_url, str | Path) or "://" in str(path_or_url):
+def _local_directory(path_or_url: Any) -> Location | None:
+    """The lightscale checkpoint directory ``path_or_url`` names, local or an fsspec URL (or its previous copy after
+    a crash), else None."""
+    if not isinstance(path_or_url, str | Path) or str(path_or_url).startswith(("http://", "https://")):
         return None
-    path = complete_checkpoint(Path(path_or_url))
+    path = complete_checkpoint(checkpoint_location(path_or_url))
     return path if is_lightscale_directory(path) else None
 
 

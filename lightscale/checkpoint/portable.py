@@ -45,9 +45,10 @@ from lightscale.checkpoint.rng import gather_rng_states
 from lightscale.data.loader_state import gather_loader_states
 from lightscale.errors import ConfigurationError
 from lightscale.runtime.barrier import barrier
-from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
-from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
+from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, publish
+from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.shape_check import check_shapes, tensor_shapes
+from lightscale.storage.urls import Location, RemotePath, is_complete, storage_writer
 
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
@@ -92,7 +93,7 @@ def saved_rng_states(trainer_state: dict[str, Any]) -> list[dict[str, Any]] | No
 
 
 def save_sharded(
-    path: Path,
+    path: Location,
     model: nn.Module,
     optimizers: list[Optimizer],
     trainer_state: dict[str, Any],
@@ -114,7 +115,7 @@ def with_average(averaged: dict[str, Tensor] | None) -> dict[str, Any]:
 
 
 def write_checkpoint(
-    path: Path,
+    path: Location,
     state: dict[str, Any],
     trainer_state: dict[str, Any],
     save_file: Callable[[dict[str, Any], Path], None],
@@ -133,11 +134,8 @@ def write_checkpoint(
         rest = copy.deepcopy(trainer_state) if _rank() == 0 else None  # training goes on mutating loop states
         writer.save(path, state, None if rest is None else lambda staging: save_file(rest, staging / TRAINER_STATE))
         return
-    tmp = staging_path(path)
-    if _rank() == 0:
-        start_staging(path)
-    _barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    tmp = agreed_staging(path)
+    dcp.save(state, storage_writer=storage_writer(tmp))
     if _rank() == 0:
         save_file(trainer_state, tmp / TRAINER_STATE)
     _barrier()
@@ -146,7 +144,7 @@ def write_checkpoint(
     _barrier()
 
 
-def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> Path:
+def load_sharded(path: Location, model: nn.Module, optimizers: list[Optimizer]) -> Location:
     """Collectively load the shards of ``path`` into ``model`` (and ``optimizers``, if given), on any world size.
 
     Returns the directory read (``path``, or its previous copy after a crash mid-publish): its trainer state is
@@ -163,14 +161,14 @@ def load_sharded(path: Path, model: nn.Module, optimizers: list[Optimizer]) -> P
     return path
 
 
-def load_model_part(path: Path, module: nn.Module) -> None:
+def load_model_part(path: Location, module: nn.Module) -> None:
     """Collectively fill ``module``'s weights (keys as its ``state_dict``) from the model part of ``path``."""
     state = get_model_state_dict(module)
     read_checkpoint(path, {"model": state})  # never runs code from the files; reshards
     set_model_state_dict(module, state)
 
 
-def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
+def read_checkpoint(path: Location, state: dict[str, Any]) -> Location:
     """Collectively fill ``state`` (a template in :func:`write_checkpoint`'s layout: the tensors this rank wants,
     with their local shapes or DTensor placements) in place from ``path``; DCP reshards. Never runs code from
     the files. Returns the directory read (``path``, or its previous copy after a crash mid-publish)."""
@@ -186,22 +184,22 @@ def read_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def layout_entries(path: Path) -> dict[str, Any]:
+def layout_entries(path: Location) -> dict[str, Any]:
     """The layout's entries of checkpoint ``path`` (a directory's DCP metadata, read safely, or what a single file
     holds, layout_file.py): global shape and dtype of every tensor."""
     path = complete_checkpoint(path)
     if path.is_file():
         return read_file_layout(path).metadata()
-    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return safe_reader(path).read_metadata().state_dict_metadata
 
 
-def read_rest(path: Path, load_file: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+def read_rest(path: Location, load_file: Callable[[Location], dict[str, Any]]) -> dict[str, Any]:
     """Lightning's checkpoint without model and optimizer state: ``trainer_state.pt`` of a directory (read with
     ``load_file``), or the rest of a single file."""
     return read_file_layout(path).rest if path.is_file() else load_file(path / TRAINER_STATE)
 
 
-def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def saved_model_shapes(path: Location) -> dict[str, tuple[int, ...]]:
     """Global shape of every model tensor in the checkpoint ``path``, from its (safely read) metadata."""
     entries = layout_entries(path)
     return {
@@ -211,7 +209,12 @@ def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_checkpoint_dir(path: Path) -> None:
+def check_checkpoint_dir(path: Location) -> None:
+    if isinstance(path, RemotePath) and path.is_dir() and not is_complete(path):
+        raise ConfigurationError(
+            f"{path} is an incomplete checkpoint: its save did not finish (no completion marker, written last; "
+            "lightscale/storage/urls.py). Resume from an earlier checkpoint."
+        )
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
             f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "
@@ -219,7 +222,7 @@ def check_checkpoint_dir(path: Path) -> None:
         )
 
 
-def full_model_state_dict(path: Path, *, prefix: str = "model.", part: str = "model") -> dict[str, Tensor]:
+def full_model_state_dict(path: Location, *, prefix: str = "model.", part: str = "model") -> dict[str, Tensor]:
     """The full (unsharded) model tensors of the DCP checkpoint ``path`` whose keys start with ``prefix``;
     ``part="averaged"`` reads a weight-averaging callback's average instead of the raw weights.
 
@@ -228,7 +231,7 @@ def full_model_state_dict(path: Path, *, prefix: str = "model.", part: str = "mo
     Unlike ``format_utils.dcp_to_torch_save``, this never reads the optimizer state (no memory for it) and never
     unpickles a non-tensor entry; ``.metadata`` is read by safe_dcp.py's restricted unpickler.
     """
-    entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = safe_reader(path).read_metadata().state_dict_metadata
     top = part + "."
     wanted = {key[len(top) :]: meta for key, meta in entries.items() if key.startswith(top + prefix)}
     if not wanted and part == "averaged" and not any(key.startswith(top) for key in entries):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -35,13 +34,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightscale.checkpoint.averaged import AVERAGED_META, from_lightning_convention, without_lightning_entries
 from lightscale.errors import ConfigurationError
 from lightscale.storage.safe_io import load_weights_only
+from lightscale.storage.urls import Location, RemotePath
 
 _LIGHTNING_TENSORS = ("state_dict", "optimizer_states")
 
 
 @dataclass
 class FileLayout:
-    path: Path
+    path: Location
     flat: dict[str, Any]  # the layout's flat keys (module docstring)
     rest: dict[str, Any]  # the rest of Lightning's checkpoint: what trainer_state.pt holds in a directory
 
@@ -90,14 +90,13 @@ def _fill(template: dict[str, Any], prefix: str, flat: dict[str, Any], missing: 
             template[name] = copy.deepcopy(flat[key])
 
 
-_last: tuple[tuple[str, int, int], FileLayout] | None = None
+_last: tuple[tuple[str, str, int], FileLayout] | None = None
 
 
-def read_file_layout(path: Path) -> FileLayout:
+def read_file_layout(path: Location) -> FileLayout:
     """The single-file checkpoint ``path`` as the layout (weights-only; the last file read is reused)."""
     global _last
-    stat = path.stat()
-    identity = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    identity = _identity(path)
     if _last is not None and _last[0] == identity:
         return _last[1]
     loaded = _load(path)
@@ -115,13 +114,23 @@ def read_file_layout(path: Path) -> FileLayout:
     return layout
 
 
+def _identity(path: Location) -> tuple[str, str, int]:
+    """Name, version and size of a file: a changed file is read again."""
+    if isinstance(path, RemotePath):
+        info = path.fs.info(path.key)
+        version = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+        return str(path), str(version), int(info["size"])
+    stat = path.stat()
+    return str(path.resolve()), str(stat.st_mtime_ns), stat.st_size
+
+
 def forget_file_layout() -> None:
     """Drop the kept file (every rank holds a whole copy): a strategy calls this when its load has finished."""
     global _last
     _last = None
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Location) -> dict[str, Any]:
     loaded = load_weights_only(path)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
         raise ConfigurationError(

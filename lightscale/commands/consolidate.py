@@ -8,6 +8,8 @@ The output is what Lightning's own single-device strategy writes: ``state_dict``
 lightscale/checkpoint/lightning_format.py (nothing in the input runs code), written atomically. Peak memory: the full
 weights plus the piece of a tensor being read, and the optimizer state only with ``--with-optimizer``.
 
+Either argument may be an fsspec URL (``s3://bucket/run/last.ckpt``; lightscale/storage/urls.py).
+
 Example:
     $ lightscale consolidate checkpoints/last.ckpt model.ckpt
     >>> MyModel.load_from_checkpoint("model.ckpt")  # in a process without lightscale
@@ -25,6 +27,7 @@ from lightscale.checkpoint.lightning_format import is_lightscale_directory, ligh
 from lightscale.errors import ConfigurationError
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import load_weights_only, save_atomically
+from lightscale.storage.urls import Location, checkpoint_location
 
 WITHOUT_OPTIMIZER = "consolidated without --with-optimizer"
 
@@ -35,7 +38,7 @@ def consolidate(
     """Write ``checkpoint`` (a lightscale directory or a single Lightning file) as the Lightning file ``output``;
     returns what was written. ``averaged=False`` (``--raw``) leaves a WeightAveraging average out of either: the
     raw weights as ``state_dict``."""
-    path = complete_checkpoint(Path(checkpoint))
+    path = complete_checkpoint(checkpoint_location(checkpoint))  # a local path or an fsspec URL
     if is_lightscale_directory(path):
         result = lightning_checkpoint(path, optimizer=with_optimizer, averaged=averaged)
     elif path.is_file():
@@ -51,12 +54,14 @@ def consolidate(
     if not with_optimizer:
         result.pop("optimizer_states", None)
         consolidated["missing"] = f"{output} was {WITHOUT_OPTIMIZER}"
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    save_atomically(result, Path(output))
+    target = checkpoint_location(output)
+    if isinstance(target, Path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    save_atomically(result, target)  # remote: one object, written whole
     return result
 
 
-def _read_file(path: Path, *, averaged: bool) -> dict[str, Any]:
+def _read_file(path: Location, *, averaged: bool) -> dict[str, Any]:
     """A Lightning file; ``averaged=False`` turns a WeightAveraging file (average as ``state_dict``, raw weights as
     ``current_model_state``: Lightning's convention) into the raw weights alone, as for a directory."""
     loaded = load_weights_only(path)

@@ -21,12 +21,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # DCP over fsspec (no public name)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.storage.urls import RemotePath
 
 _ALLOWED = {
     ("torch", "Size"): torch.Size,
@@ -64,10 +66,9 @@ def read_metadata_safely(file: io.BufferedIOBase) -> Metadata:
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read by an unpickler that allows DCP's own types only."""
+class _SafeMetadata:
+    """``read_metadata`` of DCP's file readers through an unpickler that allows DCP's own types only."""
 
-    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as file:
@@ -76,6 +77,19 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is read by an unpickler that allows DCP's own types only."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """``FsspecReader`` (an fsspec URL: lightscale/storage/urls.py) reading ``.metadata`` as safely."""
+
+
+def safe_reader(path: str | pathlib.Path | RemotePath) -> FileSystemReader:
+    """The safe DCP reader of checkpoint directory ``path``, local or remote."""
+    return SafeFsspecReader(str(path)) if isinstance(path, RemotePath) else SafeFileSystemReader(str(path))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -101,13 +115,13 @@ def _as_stream(value: Any) -> io.BytesIO:
     return stream
 
 
-def load_safely(state: dict[str, Any], path: str | pathlib.Path, *, no_dist: bool = False) -> None:
+def load_safely(state: dict[str, Any], path: str | pathlib.Path | RemotePath, *, no_dist: bool = False) -> None:
     """``dcp.load`` of ``state`` from ``path`` that refuses code-running content with a clear error.
 
     The metadata is checked before any collective starts; a bad entry found while reading is re-raised as itself,
     not inside DCP's per-rank ``CheckpointException``.
     """
-    reader = SafeFileSystemReader(str(path))
+    reader = safe_reader(path)
     reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)

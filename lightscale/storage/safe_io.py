@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import sys
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from typing_extensions import override
 
 from lightscale.storage.safe_dcp import UnsafeCheckpointError
+from lightscale.storage.urls import Location, RemotePath, checkpoint_location, refuse_url_like
 
 _ALLOWED: list[Any] = []
 T = TypeVar("T")
@@ -48,11 +50,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
-        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
-            super().save_checkpoint(checkpoint, path, storage_options)
+        location = checkpoint_location(path)  # refuses a URL whose filesystem is not installed
+        if storage_options is not None or isinstance(location, RemotePath):  # one fsspec write (an object store PUT)
+            super().save_checkpoint(checkpoint, str(location), storage_options)
             return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_atomically(checkpoint, Path(path))
+        location.parent.mkdir(parents=True, exist_ok=True)
+        save_atomically(checkpoint, location)
 
     @override
     def load_checkpoint(
@@ -68,9 +71,21 @@ class SafeCheckpointIO(TorchCheckpointIO):
             with torch.serialization.safe_globals(checkpoint_safe_globals()):
                 return parent(path, map_location=map_location, weights_only=not trusted_code)
 
-        if trusted_code or "://" in str(path):  # remote: fsspec reads it, nothing to scan beforehand
+        location = checkpoint_location(path)
+        if isinstance(location, RemotePath):  # fsspec reads it: Lightning's loader, given the URL string
+            path = str(location)
+        if trusted_code or isinstance(location, RemotePath):  # remote: nothing to scan beforehand
             return load()
-        return load_with_package_classes(Path(path), load)
+        return load_with_package_classes(location, load)
+
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """A remote checkpoint directory loses its completion marker first (never half-deleted yet complete)."""
+        location = checkpoint_location(path)
+        if isinstance(location, RemotePath):
+            location.remove()
+        else:
+            super().remove_checkpoint(path)
 
 
 @contextmanager
@@ -86,6 +101,7 @@ def atomic_path(output: Path) -> Iterator[Path]:
         >>> with atomic_path(Path("gpt.safetensors")) as partial:
         ...     save_file(state, str(partial))
     """
+    refuse_url_like(output)
     partial = output.with_name(f"{output.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         yield partial
@@ -104,13 +120,18 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def save_atomically(state: dict[str, Any], output: Path) -> None:
-    """``torch.save`` of ``state`` to ``output`` through :func:`atomic_path`."""
+def save_atomically(state: dict[str, Any], output: Location) -> None:
+    """``torch.save`` of ``state`` to ``output`` through :func:`atomic_path`; remote: one object written whole."""
+    if isinstance(output, RemotePath):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        output.write_bytes(buffer.getvalue())
+        return
     with atomic_path(output) as partial:
         torch.save(state, partial)
 
 
-def load_with_package_classes(path: str | os.PathLike, load: Callable[[], T]) -> T:
+def load_with_package_classes(path: str | os.PathLike | io.BytesIO, load: Callable[[], T]) -> T:
     """``load()`` of the ``torch.save`` file ``path``; if it refuses a class, the lightscale modules of the classes
     that ``path`` names are imported (if not yet) and ``load()`` runs once more.
 
@@ -127,7 +148,7 @@ def load_with_package_classes(path: str | os.PathLike, load: Callable[[], T]) ->
     return load()
 
 
-def _import_package_modules(path: str | os.PathLike) -> bool:
+def _import_package_modules(path: str | os.PathLike | io.BytesIO) -> bool:
     """Import the not yet imported lightscale modules whose classes ``path`` pickles; whether any was imported."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # reads the pickle, runs none of it
@@ -142,17 +163,21 @@ def _import_package_modules(path: str | os.PathLike) -> bool:
     return imported
 
 
-def load_weights_only(path: Path, *, hint: str = "Load it only if you trust it.", trusted: bool = False) -> Any:
-    """``torch.load`` of one file onto the CPU, refusing anything but weights-only data (plus the allow-listed
-    classes, :func:`load_with_package_classes`) with a message naming ``path``; ``trusted=True`` is the caller's
-    explicit ``weights_only=False``."""
+def load_weights_only(path: Location, *, hint: str = "Load it only if you trust it.", trusted: bool = False) -> Any:
+    """``torch.load`` of one file (local or remote) onto the CPU, refusing anything but weights-only data (plus the
+    allow-listed classes, :func:`load_with_package_classes`) with a message naming ``path``; ``trusted=True`` is the
+    caller's explicit ``weights_only=False``."""
+    data = path.read_bytes().getvalue() if isinstance(path, RemotePath) else None  # read once, parsed as a file
+
+    def source() -> Path | io.BytesIO:
+        return io.BytesIO(data) if data is not None else path
 
     def load() -> Any:
         with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=not trusted)
+            return torch.load(source(), map_location="cpu", weights_only=not trusted)
 
     try:
-        return load() if trusted else load_with_package_classes(path, load)
+        return load() if trusted else load_with_package_classes(source(), load)
     except pickle.UnpicklingError as error:
         first_line = str(error).strip().splitlines()[0]
         raise UnsafeCheckpointError(

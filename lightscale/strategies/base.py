@@ -198,7 +198,9 @@ class LightscaleStrategy(CheckpointingStrategy):
         return True
 
     def check_before_launch(self, trainer: Trainer) -> None:
-        """Refuse settings that only the Trainer knows (clipping, precision), before any rank starts or connects."""
+        """Refuse settings that only the Trainer knows (clipping, precision, where checkpoints go), before any rank
+        starts or connects."""
+        self.check_checkpoint_locations(trainer)
 
     @override
     def set_world_ranks(self) -> None:

@@ -41,6 +41,7 @@ from lightscale.runtime.processes import ProcessStrategy
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.shape_check import check_state_dict_shapes
 from lightscale.storage.shared_dir import check_shared_dir
+from lightscale.storage.urls import Location, check_shared, checkpoint_location
 
 
 class CheckpointingStrategy(ProcessStrategy):
@@ -85,7 +86,22 @@ class CheckpointingStrategy(ProcessStrategy):
             )
         return AsyncCheckpointWriter(timeout=self._timeout)
 
-    def check_checkpoint_dir(self, directory: str | Path) -> None:
+    def checkpoint_location(self, filepath: Any) -> Location:
+        """Rank 0's ``filepath`` as a local path or an fsspec URL (lightscale/storage/urls.py): a URL whose filesystem
+        is not installed, or that no other process can read (``memory://`` on several ranks), is refused."""
+        location = checkpoint_location(self.broadcast(str(filepath)))
+        check_shared(location, self.world_size)
+        return location
+
+    def check_checkpoint_locations(self, trainer: Any) -> None:
+        """Before any rank starts: every ModelCheckpoint's ``dirpath`` as :meth:`checkpoint_location` takes it (a URL
+        whose filesystem is missing, or ``memory://`` on several ranks, is refused now, not at the first save)."""
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                check_shared(checkpoint_location(str(dirpath)), self.world_size)
+
+    def check_checkpoint_dir(self, directory: str | Location) -> None:
         """Collective, once per directory: refuse a checkpoint directory that is not shared by every node (multi-node
         runs only; see lightscale/storage/shared_dir.py). Each rank probes the path it resolved itself: the same
         string naming different directories on different nodes is exactly the case to catch."""
@@ -110,7 +126,7 @@ class CheckpointingStrategy(ProcessStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
         and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
-        path = Path(self.broadcast(str(filepath)))
+        path = self.checkpoint_location(filepath)
         self.check_checkpoint_dir(path.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "file":
             self.save_single_file(checkpoint, path)
@@ -122,7 +138,7 @@ class CheckpointingStrategy(ProcessStrategy):
             writer = self.checkpoint_writer
             save_sharded(path, module, self.optimizers, rest, save_file, writer=writer, averaged=averaged)
 
-    def save_single_file(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def save_single_file(self, checkpoint: dict[str, Any], path: Location) -> None:
         """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
         whole tensors) plus the ``lightscale`` entry of :meth:`trainer_state` (random states, optimizer groups), which
         lets every strategy read it as the layout (checkpoint/portable_file.py). Rank 0 writes, atomically."""
@@ -155,7 +171,7 @@ class CheckpointingStrategy(ProcessStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
         Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where ``reads_single_files``."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self.checkpoint_location(checkpoint_path)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if path.is_file() and self.reads_single_files:  # Lightning restores weights and optimizers by position
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
@@ -166,7 +182,7 @@ class CheckpointingStrategy(ProcessStrategy):
         meta = self.read_trainer_state(read, fitting=fitting)
         return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
 
-    def read_trainer_state(self, checkpoint_dir: Path, *, fitting: bool) -> dict[str, Any]:
+    def read_trainer_state(self, checkpoint_dir: Location, *, fitting: bool) -> dict[str, Any]:
         """``trainer_state.pt`` of a layout directory (weights-only), or the rest of a single file; see
         :meth:`restore_extras`."""
         try:

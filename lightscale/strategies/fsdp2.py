@@ -311,7 +311,9 @@ class FSDP2Strategy(LightscaleStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+        if self.is_global_zero and "://" in str(filepath):  # an fsspec URL: its completion marker goes first
+            self.checkpoint_io.remove_checkpoint(filepath)
+        elif self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
 
 

@@ -33,6 +33,7 @@ from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engi
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.storage.urls import refuse_remote
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
 from lightscale.zero.checkpoint_dir import (
@@ -259,6 +260,7 @@ class ZeroStrategy(LightscaleStrategy):
 
     @override
     def check_before_launch(self, trainer: Trainer) -> None:
+        super().check_before_launch(trainer)
         self._check_trainer(trainer, precision_name(self.precision_plugin))
         if self._nvme_auto:
             writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
@@ -366,9 +368,11 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
-        target = Path(self.broadcast(str(filepath)))
+        target = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
+            instead = "save the portable layout there (checkpoint_format='dcp', the default) or use a local path"
+            refuse_remote(target, "checkpoint_format='deepspeed' (DeepSpeed's own writer)", instead=instead)
             drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return
@@ -388,7 +392,7 @@ class ZeroStrategy(LightscaleStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path = complete_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        path = complete_checkpoint(self.checkpoint_location(checkpoint_path))
         if (path / CHECKPOINT_TAG).is_dir():
             return load_engine_directory(self.engine, path, fitting=fitting)
         read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)

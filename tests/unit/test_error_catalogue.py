@@ -31,6 +31,12 @@ class Bad:
     match: str  # regex searched in the message: names the bad value and a valid alternative
 
 
+def _checkpoint_location(path: object) -> object:
+    from lightscale.storage.urls import checkpoint_location
+
+    return checkpoint_location(path)
+
+
 def _lightscale():
     import lightscale
 
@@ -793,6 +799,15 @@ CATALOGUE: list[tuple] = [
     ("ckpt-format-file-async", "async_save with checkpoint_format='file'",
      lambda: _ddp(async_save=True, checkpoint_format="file"), CE,
      r"async_save=True writes the portable layout only; checkpoint_format='file'.*checkpoint_format='dcp'"),
+    ("ckpt-url-missing-package", "a checkpoint URL whose fsspec filesystem is not installed (gs:// without gcsfs)",
+     lambda: _checkpoint_location("gs://bucket/run/last.ckpt"), CE,
+     r"'gs://bucket/run/last\.ckpt' needs the gcsfs package for gs:// URLs, which is not installed\. Install it"),
+    ("ckpt-url-unknown-scheme", "a checkpoint URL of a scheme fsspec does not know",
+     lambda: _checkpoint_location("s4://bucket/run"), CE,
+     r"fsspec knows no filesystem for s4://\. Use a local path or an fsspec URL such as s3://, gs://"),
+    ("ckpt-url-through-pathlib", "a checkpoint URL that went through pathlib.Path (s3:// became s3:/)",
+     lambda: _checkpoint_location(Path("s3://bucket/run")), CE,
+     r"'s3:/bucket/run' looks like a URL that lost one '/'.*pass the URL as a string"),
     ("consolidate-no-optimizer", "consolidate --with-optimizer of a checkpoint without optimizer state",
      _consolidate_without_optimizer_state, CE,
      r"holds no optimizer state in the portable layout; consolidate it without --with-optimizer"),

@@ -22,6 +22,8 @@ PRIVATE_APIS = [
     ("torch.distributed.distributed_c10d", "_get_default_store", "failure watch: errors reach every rank"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "safe DCP loads: a type .metadata holds"),
     ("torch.distributed.checkpoint.filesystem", "FileSystemReader._get_metadata_path", "safe DCP loads"),
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter", "checkpoints at fsspec URLs (s3://...)"),
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader", "checkpoints at fsspec URLs (s3://...)"),
     ("torch.serialization", "_get_layout", "safe DCP loads: how .metadata names a layout"),
     ("torch.distributed._composable", "checkpoint", "activation checkpointing without wrapper modules"),
     ("torch.distributed.pipelining.schedules", "_Action", "pipeline schedule pictures and checks"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -402,7 +401,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
         if self.outer is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
+        path = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(path.parent)
         if self.checkpoint_format == "file":  # the global model only: the workers' own state has no file form
             model = {name: tensor.detach() for name, tensor in {**self._globals(), **self._buffers()}.items()}
@@ -422,7 +421,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Resume: at the saved workers and shards, exactly (globals, each worker's own state, the outer state); at
         others, every worker restarts from the global model with the outer state (a fresh inner optimizer). A
         checkpoint without DiLoCo state loads its model like any layout's (evaluation, another strategy's)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self.checkpoint_location(checkpoint_path)
         if self.outer is None:
             return super().load_checkpoint(path, weights_only)
         if path.is_file():
