@@ -25,8 +25,6 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import tomllib
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -114,6 +112,8 @@ def build(combo: Combination, venvs: Path) -> tuple[Path, dict[str, str]]:
 
 
 def _requirements_but_torch() -> list[str]:
+    import tomllib  # Python 3.11+, needed only for a candidate outside the bounds
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
     return [r for r in wanted if not r.startswith("torch")]  # the bound being moved
