@@ -135,8 +135,9 @@ def test_user_model_trains_by_name(name: str, single_process: list[float], tmp_p
         assert relative_difference(losses[:1], single_process[:1]) <= TOLERANCE
         assert all(math.isfinite(loss) for loss in losses)
         return
-    # bf16 on the wire: 8 bits of mantissa; PowerSGD: rank-4 factors with error feedback (measured 1.1e-3)
-    tolerance = 1e-2 if name in ("bucketed_ddp_bf16", "bucketed_ddp_powersgd") else TOLERANCE
+    # bf16 on the wire: 8 bits of mantissa; PowerSGD: rank-4 factors with error feedback (measured 1.1e-3); ZeRO++:
+    # int8 weights and gradients, half a step of 1/127 of each block's absmax (docs/strategies/fsdp2.md; 1.5e-3 here)
+    tolerance = {"bucketed_ddp_bf16": 1e-2, "bucketed_ddp_powersgd": 1e-2, "fsdp2_zeropp": 1 / 254}.get(name, TOLERANCE)
     assert relative_difference(losses, single_process) <= tolerance
     assert single_process[-1] < single_process[0]  # it learned
 
