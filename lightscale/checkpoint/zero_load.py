@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightscale.checkpoint.portable import layout_entries, read_checkpoint
 from lightscale.storage.atomic_dir import complete_checkpoint
+from lightscale.zero.partition import full_numel, full_shape, is_partitioned, partition
 from lightscale.zero.portable import (
     _flat_partitions,
     _rank,
@@ -89,11 +90,11 @@ def _batches(params: list[tuple[str, nn.Parameter]]) -> Iterator[list[tuple[str,
 
 
 def _numel(param: nn.Parameter) -> int:
-    return int(getattr(param, "ds_numel", param.numel()))
+    return full_numel(param) if is_partitioned(param) else param.numel()
 
 
 def _shape(param: nn.Parameter) -> torch.Size:
-    return getattr(param, "ds_shape", param.shape)
+    return full_shape(param) if is_partitioned(param) else param.shape
 
 
 def _load_batch(path: Path, batch: list[tuple[str, nn.Parameter]], zero: Any | None, saved: SavedState | None) -> Path:
@@ -132,7 +133,7 @@ def _set_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
 
 
 def _master_device(param: nn.Parameter) -> torch.device:
-    return param.ds_tensor.device if hasattr(param, "ds_tensor") else param.device
+    return partition(param).device if is_partitioned(param) else param.device
 
 
 def _set_state(param: nn.Parameter, state: dict[str, Tensor]) -> None:

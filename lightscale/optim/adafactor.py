@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightscale.optim.closure import closure_loss
 from lightscale.optim.shard_sums import ShardLayout, ShardSums, layout_of, like_layout, local, local_grad
 
 
@@ -54,10 +55,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss

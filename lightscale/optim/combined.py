@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lightscale.optim.closure import closure_loss
+
 
 class CombinedOptimizer(torch.optim.Optimizer):
     """One optimizer made of ``optimizers`` (each parameter in exactly one); see the module docstring."""
@@ -50,10 +52,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for optimizer in self.optimizers:
             optimizer.step()
         return loss

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
+from lightscale.optim.closure import closure_loss
 from lightscale.optim.shard_sums import ShardLayout, layout_of, like_layout, local, local_grad
 
 
@@ -31,10 +32,7 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss
