@@ -42,7 +42,7 @@ from lightscale.checkpoint.portable import check_checkpoint_dir, full_model_stat
 from lightscale.errors import ConfigurationError
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import atomic_path, load_weights_only, save_atomically
-from lightscale.storage.urls import Location, RemotePath, checkpoint_location, refuse_remote
+from lightscale.storage.urls import Location, RemotePath, checkpoint_location
 from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 
 TARGETS = ("safetensors", "torch", "dcp")
@@ -101,7 +101,6 @@ def read_model_state(
             check_checkpoint_dir(path)  # raises, naming what a DCP checkpoint directory holds
         return full_model_state_dict(path, prefix=prefix, part="averaged" if averaged else "model")
     if source == "deepspeed":
-        refuse_remote(path, "reading DeepSpeed's own directory", instead="copy it to local disk first")
         return _non_empty(consolidate_zero_checkpoint(path, prefix=prefix), path, prefix)
     if source == "safetensors":
         return _read_safetensors(path)

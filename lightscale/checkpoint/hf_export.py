@@ -10,8 +10,14 @@ up by name in ``transformers`` (nothing from the checkpoint is imported or run),
 weights and saved with ``save_pretrained``. Any other model gets its dataclass config as ``config.json`` and the
 weights through ``huggingface_hub.save_torch_state_dict`` (HF's own sharded writer).
 
+At an fsspec URL (``s3://bucket/hf``) the folder is written to a local scratch directory by the same writers, then
+uploaded file by file with ``config.json`` last: ``from_pretrained`` starts from it, so a folder whose upload died
+is never taken for a model (lightscale's completion marker means nothing to Hugging Face's readers). Exporting over
+an earlier export removes its ``config.json`` first and its weight files that the new one does not write.
+
 Example:
     >>> export_hf("runs/last.ckpt", "out/")  # then AutoModelForCausalLM.from_pretrained("out/")
+    >>> export_hf("s3://bucket/run/last.ckpt", "s3://bucket/hf")  # download, then from_pretrained
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -29,10 +36,13 @@ from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, 
 from lightscale.errors import ConfigurationError, import_extra
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import SafeCheckpointIO
-from lightscale.storage.urls import checkpoint_location, refuse_remote
+from lightscale.storage.staged_copy import scratch_directory, upload_directory
+from lightscale.storage.urls import RemotePath, checkpoint_location
 
 MODELS = "models"  # trainer_state["lightscale"][MODELS]: [{"attribute", "class", "library", "config"}]
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' default for save_pretrained
+CONFIG = "config.json"  # what from_pretrained reads first: uploaded last
+_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # HF's names of the weight files
 
 
 def describe_models(module: nn.Module) -> list[dict[str, str]]:
@@ -101,15 +111,36 @@ def export_hf(
     entry = choose_model(recorded_models(path), module, path)
     part = "averaged" if averaged else "model"
     state = full_model_state_dict(path, prefix=entry["attribute"] + ".", part=part)
-    output = checkpoint_location(output)
-    refuse_remote(output, "export --hf (transformers' save_pretrained)", instead="export to a local directory")
-    assert isinstance(output, Path)
+    output = checkpoint_location(output)  # a local path or an fsspec URL
+    if isinstance(output, RemotePath):
+        with scratch_directory() as local:
+            _write_folder(entry, state, local, max_shard_size)
+            _upload_folder(local, output)
+        return entry
     output.mkdir(parents=True, exist_ok=True)
+    _write_folder(entry, state, output, max_shard_size)
+    return entry
+
+
+def _write_folder(
+    entry: dict[str, str], state: dict[str, torch.Tensor], output: Path, max_shard_size: str | int
+) -> None:
     if entry["library"] == "transformers":
         _save_pretrained(entry, state, output, max_shard_size)
     else:
         _save_plain(entry, state, output, max_shard_size)
-    return entry
+
+
+def _upload_folder(local: Path, output: RemotePath) -> None:
+    """``local``'s files under ``output``, ``config.json`` last; an earlier export there stops being a model first
+    (its config removed) and loses the weight files the new one does not write."""
+    new = {path.name for path in local.iterdir()}
+    if (output / CONFIG).exists():
+        output.fs.rm((output / CONFIG).key)
+    for name in output.names():
+        if _WEIGHTS.fullmatch(name) and name not in new:
+            output.fs.rm((output / name).key)
+    upload_directory(local, output, last=(CONFIG,))
 
 
 def _save_pretrained(

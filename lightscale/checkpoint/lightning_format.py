@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, 
 from lightscale.errors import ConfigurationError
 from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.safe_io import load_weights_only
+from lightscale.storage.staged_copy import local_directory
 from lightscale.storage.urls import Location, checkpoint_location
 from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
 
@@ -157,19 +157,22 @@ def _read_trainer_state(file: Location, *, weights_only: bool | None) -> dict[st
     return load_weights_only(file, hint=hint, trusted=weights_only is False)
 
 
-def _from_deepspeed(path: Path) -> dict[str, Any]:
-    """DeepSpeed's engine directory: full fp32 weights by ``zero_to_fp32`` and Lightning's client state."""
-    files = sorted((path / CHECKPOINT_TAG).glob("*model_states.pt"))
-    if not files:
-        raise ConfigurationError(
-            f"{path / CHECKPOINT_TAG} holds no *model_states.pt file; it is not a ZeRO checkpoint."
-        )
-    saved = safe_load(files[0], map_location="cpu")
+def _from_deepspeed(path: Location) -> dict[str, Any]:
+    """DeepSpeed's engine directory (a URL: downloaded to scratch once): full fp32 weights by ``zero_to_fp32`` and
+    Lightning's client state."""
+    with local_directory(path) as local:
+        files = sorted((local / CHECKPOINT_TAG).glob("*model_states.pt"))
+        if not files:
+            raise ConfigurationError(
+                f"{path / CHECKPOINT_TAG} holds no *model_states.pt file; it is not a ZeRO checkpoint."
+            )
+        saved = safe_load(files[0], map_location="cpu")
+        weights = consolidate_zero_checkpoint(local, prefix="")
     rest = {key: value for key, value in saved.items() if key not in _DEEPSPEED_KEYS}
     missing = f"{path} is DeepSpeed's own directory (checkpoint_format='deepspeed'): its optimizer state is partitioned"
     return {
         **rest,
-        "state_dict": consolidate_zero_checkpoint(path, prefix=""),
+        "state_dict": weights,
         "optimizer_states": [],
         "lightscale": {"strategy": "ZeroStrategy", "consolidated": {"optimizers": None, "missing": missing}},
     }

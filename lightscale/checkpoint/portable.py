@@ -48,7 +48,7 @@ from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, publish
 from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.shape_check import check_shapes, tensor_shapes
-from lightscale.storage.urls import Location, RemotePath, is_complete, storage_writer
+from lightscale.storage.urls import Location, refuse_incomplete, storage_writer
 
 TRAINER_STATE = "trainer_state.pt"
 # trainer_state["lightscale"] = {"format": LAYOUT_FORMAT, "strategy": ..., "world_size": ...}; loaders never need it.
@@ -210,11 +210,7 @@ def saved_model_shapes(path: Location) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint_dir(path: Location) -> None:
-    if isinstance(path, RemotePath) and path.is_dir() and not is_complete(path):
-        raise ConfigurationError(
-            f"{path} is an incomplete checkpoint: its save did not finish (no completion marker, written last; "
-            "lightscale/storage/urls.py). Resume from an earlier checkpoint."
-        )
+    refuse_incomplete(path)
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ConfigurationError(
             f"{path} is not a sharded checkpoint directory saved by a lightscale strategy (it needs .metadata "

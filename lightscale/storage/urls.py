@@ -239,10 +239,13 @@ def complete_remote(target: RemotePath, staging: RemotePath) -> RemotePath:
     return staging if is_complete(staging) else target
 
 
-def refuse_remote(location: Location, what: str, *, instead: str = "use a local path") -> None:
-    """Refuse an fsspec URL where only local files can be read or written, naming what to do instead."""
-    if is_remote(location):
-        raise ConfigurationError(f"{location} is a URL, but {what} works on local files only; {instead}.")
+def refuse_incomplete(path: Location) -> None:
+    """Refuse a remote checkpoint directory without its completion marker: its save did not finish."""
+    if isinstance(path, RemotePath) and path.is_dir() and not is_complete(path):
+        raise ConfigurationError(
+            f"{path} is an incomplete checkpoint: its save did not finish (no completion marker, written last; "
+            "lightscale/storage/urls.py). Resume from an earlier checkpoint."
+        )
 
 
 def check_shared(location: Location, world_size: int) -> None:

@@ -33,7 +33,6 @@ from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engi
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
 from lightscale.storage.atomic_dir import complete_checkpoint
-from lightscale.storage.urls import refuse_remote
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
 from lightscale.zero.checkpoint_dir import (
@@ -371,8 +370,6 @@ class ZeroStrategy(LightscaleStrategy):
         target = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
         if self.checkpoint_format == "deepspeed":
-            instead = "save the portable layout there (checkpoint_format='dcp', the default) or use a local path"
-            refuse_remote(target, "checkpoint_format='deepspeed' (DeepSpeed's own writer)", instead=instead)
             drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(self.engine, target, lightning_rest(checkpoint))
             return

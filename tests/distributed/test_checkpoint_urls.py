@@ -33,9 +33,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint.lightning_format import lightning_checkpoint
 from lightscale.errors import ConfigurationError
+from lightscale.resume import newest_checkpoint
 from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
-from lightscale.storage.urls import COMPLETE
+from lightscale.storage.urls import COMPLETE, checkpoint_location
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed
 
@@ -68,8 +69,9 @@ def _loader(ranks: int) -> DataLoader:
 
 
 def _strategy(name: str, checkpoint_format: str) -> Any:
-    if name == "zero3":
-        return ZeroStrategy(stage=3)
+    if name.startswith("zero"):  # zero2, zero3, zero2_offload; "deepspeed": DeepSpeed's own engine directory
+        fmt = "deepspeed" if checkpoint_format == "deepspeed" else "dcp"
+        return ZeroStrategy(stage=int(name[4]), offload_optimizer=name.endswith("_offload"), checkpoint_format=fmt)
     if name == "diloco":  # two workers of one rank each; the outer step at every saved step
         return DiLoCoStrategy(workers=2, sync_every=SAVED_AT)
     if name == "fsdp2":  # "async": async_save=True (DCP writes from a side thread, published behind the marker)
@@ -169,6 +171,8 @@ CASES = [
     ("fsdp2", "async"),
     ("bucketed_ddp", "file"),
     ("zero3", "dcp"),
+    ("zero2_offload", "dcp"),
+    ("zero2", "deepspeed"),
     ("diloco", "dcp"),
 ]
 
@@ -186,11 +190,15 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
     )[0]
     first, _ = run_distributed(_fit, strategy, max_steps=SAVED_AT, dirpath=url, fmt=fmt, world_size=2)[0]
     saved = _objects(prefix)
-    if fmt != "file":
+    if fmt == "file":
+        assert saved == ["last.ckpt", f"step={SAVED_AT}.ckpt"]
+    elif fmt == "deepspeed":  # DeepSpeed's files, uploaded by each rank from its scratch directory, and the marker
+        step = f"step={SAVED_AT}.ckpt"
+        assert {f"{step}/{name}" for name in ("checkpoint/mp_rank_00_model_states.pt", COMPLETE)} <= set(saved)
+        assert sum(name.startswith(f"{step}/checkpoint/zero_pp_rank_") for name in saved) == 2  # a file per rank
+    else:
         assert {f"step={SAVED_AT}.ckpt/{name}" for name in (".metadata", "trainer_state.pt", COMPLETE)} <= set(saved)
         assert sum(name.startswith("step=") and name.endswith(".distcp") for name in saved) == 2  # a file per rank
-    else:
-        assert saved == ["last.ckpt", f"step={SAVED_AT}.ckpt"]
     resume = f"{url}/step={SAVED_AT}.ckpt"
     second, resumed = run_distributed(
         _fit, strategy, max_steps=STEPS, dirpath=url, ckpt_path=resume, fmt=fmt, world_size=2, timeout_s=240
@@ -206,6 +214,19 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
     if final:
         _assert_same(loaded, final)
     assert sorted(tmp_path.iterdir()) == [local, tmp_path / "w.pt"]  # nothing else local: no folder named "s3:"
+    if fmt == "deepspeed":
+        _assert_unmarked_is_never_read(url)
+
+
+def _assert_unmarked_is_never_read(url: str) -> None:
+    """A DeepSpeed directory whose marker is missing (a save that died before it) is refused by name and skipped by
+    resume="auto" (the strategy's resume reads through the same check: test_deepspeed_directory_without_marker...)."""
+    fs = fsspec.filesystem("s3")
+    assert newest_checkpoint(url) == checkpoint_location(f"{url}/last.ckpt")
+    fs.rm(f"{url}/last.ckpt/{COMPLETE}")
+    assert newest_checkpoint(url) == checkpoint_location(f"{url}/step={STEPS}.ckpt")
+    with pytest.raises(ConfigurationError, match=r"last\.ckpt is an incomplete checkpoint: its save did not finish"):
+        lightning_checkpoint(f"{url}/last.ckpt")
 
 
 def test_resume_auto_finds_the_newest_complete_checkpoint_in_the_bucket(s3: str, tmp_path: Path) -> None:
