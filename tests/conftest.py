@@ -1,8 +1,10 @@
-"""Shared fixtures: one tokenized copy of the default corpus per test session, one OpenMP thread per process."""
+"""Shared fixtures: one tokenized copy of the default corpus per test session, one OpenMP thread per process, a real
+S3 server on loopback per module that asks for one."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,3 +30,17 @@ def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     cache = tmp_path_factory.mktemp("corpus")
     tokenize_to_memmap(None, cache, ByteTokenizer())
     return str(cache)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """A local S3 server (moto; lightscale/storage/local_s3.py) with bucket ``helpers.S3_BUCKET``, and the variables
+    that send this process's and the ranks' S3 clients to it; yields its endpoint."""
+    from helpers import S3_BUCKET
+
+    from lightscale.storage.local_s3 import local_s3_server, s3_environment
+
+    with local_s3_server(bucket=S3_BUCKET) as endpoint, pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_environment(endpoint).items():
+            patch.setenv(name, value)
+        yield endpoint

@@ -19,6 +19,7 @@ SGD_LR = 0.25
 # Relative difference per step allowed between a strategy and one process, fp32 (measured ~1e-7 on gloo:
 # reassociation of the gradient sums); test_parity.py on gloo and tests/gpu on NCCL use the same bound.
 PARITY_TOLERANCE = 1e-5
+S3_BUCKET = "lightscale-test"  # created by the `s3` fixture (tests/conftest.py: a local S3 server per module)
 
 
 def quiet_trainer(

@@ -130,7 +130,9 @@ def load_engine_directory(engine: Any, path: Location, *, fitting: bool) -> dict
     if not fitting:  # ZeRO-3 evaluation's optimizer stand-in has no fp32 master to refresh; DeepSpeed refreshes anyway
         skip_bit16_refresh(optimizer)
     model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters()}
-    with local_directory(path, keep=_read_by_this_rank(engine)) as local:
+    # data-parallel rank = global rank: lightscale's ZeRO spans the whole world
+    keep = read_by_rank(dist.get_rank() if dist.is_initialized() else 0, elastic=engine.zero_elastic_checkpoint())
+    with local_directory(path, keep=keep) as local:
         check_shapes(saved_parameter_shapes(local), model, str(path))  # before DeepSpeed reads any shard
         _, client_state = engine.load_checkpoint(
             str(local), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
@@ -140,15 +142,12 @@ def load_engine_directory(engine: Any, path: Location, *, fitting: bool) -> dict
     return client_state
 
 
-def _read_by_this_rank(engine: Any) -> Callable[[str], bool]:
-    """Which files of a checkpoint this rank's engine reads: all but other ranks' partitions (all of them with
-    DeepSpeed's elastic checkpoints). Data-parallel rank = global rank: lightscale's ZeRO spans the whole world."""
-    if engine.zero_elastic_checkpoint():
-        return lambda name: True
-    rank = dist.get_rank() if dist.is_initialized() else 0
+def read_by_rank(rank: int, *, elastic: bool) -> Callable[[str], bool]:
+    """Which files of a checkpoint (relative names) data-parallel ``rank``'s engine reads: all but other ranks'
+    partitions; all of them with DeepSpeed's elastic checkpoints (``zero_optimization.elastic_checkpoint``)."""
 
     def keep(name: str) -> bool:
         match = _RANK_FILE.search(name)
-        return match is None or int(match.group(1) or match.group(2)) == rank
+        return elastic or match is None or int(match.group(1) or match.group(2)) == rank
 
     return keep

@@ -9,11 +9,11 @@ like the URL appears. ``memory://`` does the same in one process; a scheme whose
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from helpers import StepLosses, quiet_trainer, train_tiny_gpt
+from helpers import S3_BUCKET, TINY, StepLosses, quiet_trainer, train_tiny_gpt
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -33,14 +33,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint.lightning_format import lightning_checkpoint
 from lightscale.errors import ConfigurationError
+from lightscale.recipes.gpt import GPTConfig
 from lightscale.resume import newest_checkpoint
-from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE, checkpoint_location
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed
 
-BUCKET = "lightscale-test"
+BUCKET = S3_BUCKET  # the `s3` fixture (tests/conftest.py) starts the server and creates it
 STEPS, SAVED_AT = 6, 3
 SAMPLES = 8  # one global batch: every step sees every sample, so only the checkpoint can change a resumed run
 HERE = Path(__file__).parent
@@ -123,15 +123,6 @@ def _fit(
     model = Regressor()
     trainer.fit(model, _loader(ranks), ckpt_path=ckpt_path)
     return losses.steps, _full_weights(strategy, model)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """The server, and the variables that send this process's and the ranks' S3 clients to it."""
-    with local_s3_server(bucket=BUCKET) as endpoint, pytest.MonkeyPatch.context() as patch:
-        for name, value in s3_environment(endpoint).items():
-            patch.setenv(name, value)
-        yield endpoint
 
 
 def _objects(prefix: str) -> list[str]:
@@ -219,13 +210,16 @@ def test_save_to_s3_resume_bitwise_and_load_in_a_plain_process(
 
 
 def _assert_unmarked_is_never_read(url: str) -> None:
-    """A DeepSpeed directory whose marker is missing (a save that died before it) is refused by name and skipped by
-    resume="auto" (the strategy's resume reads through the same check: test_deepspeed_directory_without_marker...)."""
+    """A DeepSpeed directory whose marker is missing (a save that died before it) is skipped by resume="auto" and
+    refused by name, by the strategy's resume and by a plain load."""
     fs = fsspec.filesystem("s3")
     assert newest_checkpoint(url) == checkpoint_location(f"{url}/last.ckpt")
     fs.rm(f"{url}/last.ckpt/{COMPLETE}")
     assert newest_checkpoint(url) == checkpoint_location(f"{url}/step={STEPS}.ckpt")
-    with pytest.raises(ConfigurationError, match=r"last\.ckpt is an incomplete checkpoint: its save did not finish"):
+    refused = r"last\.ckpt is an incomplete checkpoint: its save did not finish"
+    with pytest.raises(RankFailed, match=refused):
+        run_distributed(_fit, "zero2", max_steps=STEPS, ckpt_path=f"{url}/last.ckpt", fmt="deepspeed", world_size=1)
+    with pytest.raises(ConfigurationError, match=refused):
         lightning_checkpoint(f"{url}/last.ckpt")
 
 
@@ -264,14 +258,22 @@ def test_consolidate_export_and_convert_from_s3_to_s3(s3: str, tmp_path: Path) -
     assert sorted(tmp_path.iterdir()) == [tmp_path / "w.pt"]
 
 
-def test_parallel_3d_layout_saves_to_s3_and_resumes_bitwise(s3: str, corpus_cache: str) -> None:
-    """The tiny GPT under tp2 (parallel_3d, tensor parallel over 2 ranks): 10 steps saved to S3, 10 resumed."""
-    url = f"s3://{BUCKET}/tp2/step10.ckpt"
-    run = {"devices": 2, "batch_size": 8, "cache_dir": corpus_cache, "world_size": 2, "timeout_s": 300}
-    whole = run_distributed(train_tiny_gpt, "tp2", **run)[0]
-    first = run_distributed(train_tiny_gpt, "tp2", stop_after=10, save_checkpoint_to=url, **run)[0]
-    second = run_distributed(train_tiny_gpt, "tp2", resume_from=url, **run)[0]
-    assert len(first) == len(second) == 10 and first + second == whole
+UNTIED = dataclasses.replace(TINY, tie_weights=False)  # pipeline stages cannot share the embedding and the head
+
+
+@pytest.mark.parametrize(("strategy", "config"), [("tp2", TINY), ("pp2", UNTIED)], ids=["tp2", "pp2"])
+def test_parallel_3d_layout_saves_to_s3_and_resumes_bitwise(
+    strategy: str, config: GPTConfig, s3: str, corpus_cache: str
+) -> None:
+    """The tiny GPT under parallel_3d on 2 ranks, tensor parallel (tp2) or a 2-stage pipeline (pp2: each rank saves
+    its stage's parameters): 3 steps saved to S3, 3 resumed from there."""
+    url = f"s3://{BUCKET}/{strategy}/step3.ckpt"
+    run = {"devices": 2, "batch_size": 8, "cache_dir": corpus_cache, "max_steps": 6, "config": config}
+    ranks = {"world_size": 2, "timeout_s": 300}
+    whole = run_distributed(train_tiny_gpt, strategy, **run, **ranks)[0]
+    first = run_distributed(train_tiny_gpt, strategy, stop_after=3, save_checkpoint_to=url, **run, **ranks)[0]
+    second = run_distributed(train_tiny_gpt, strategy, resume_from=url, **run, **ranks)[0]
+    assert len(first) == len(second) == 3 and first + second == whole
 
 
 def _fit_and_die_in_save(url: str, nth: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import quiet_trainer
+from helpers import S3_BUCKET, quiet_trainer
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -195,7 +195,8 @@ def test_resume_at_another_number_of_workers_restarts_them_from_the_global_model
 
 
 def _ft_resume(tmp: str) -> dict[str, Any]:
-    """One fault-tolerant worker (its own lighthouse, min_replicas=1): 8 steps at once, and 5 + resume="auto" to 8."""
+    """One fault-tolerant worker (its own lighthouse, min_replicas=1): 8 steps at once, and 5 + resume="auto" to 8;
+    checkpoints under ``tmp``, a local directory or an ``s3://`` URL."""
     import lightscale
     from lightscale.parallel.diloco import FaultTolerance
     from lightscale.parallel.diloco.lighthouse import start_lighthouse
@@ -206,7 +207,7 @@ def _ft_resume(tmp: str) -> dict[str, Any]:
         for name, steps in (("whole", 8), ("first", 5), ("resumed", 8)):
             ft = FaultTolerance(replica_id="worker_0", min_replicas=1, lighthouse=address)
             strategy = DiLoCoStrategy(sync_every=2, fault_tolerant=ft)
-            directory = Path(tmp) / ("whole" if name == "whole" else "parts")
+            directory = f"{tmp}/{'whole' if name == 'whole' else 'parts'}"
             saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1)
             snapshot, record = Snapshot(), Record()
             trainer = lightscale.Trainer(
@@ -221,8 +222,14 @@ def _ft_resume(tmp: str) -> dict[str, Any]:
     return out
 
 
-def test_a_fault_tolerant_worker_checkpoints_and_resumes_auto(tmp_path: Path) -> None:
-    out = run_distributed(_ft_resume, str(tmp_path), world_size=1, timeout_s=300)[0]
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_fault_tolerant_worker_checkpoints_and_resumes_auto(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if where == "s3":
+        request.getfixturevalue("s3")  # a local S3 server (tests/conftest.py)
+    base = str(tmp_path) if where == "local" else f"s3://{S3_BUCKET}/ft-diloco"
+    out = run_distributed(_ft_resume, base, world_size=1, timeout_s=300)[0]
     whole, first, resumed = out["whole"], out["first"], out["resumed"]
     assert resumed["start"]["step"] == 5 and first["losses"] + resumed["losses"] == whole["losses"]
     for name in ("locals", "globals", "momentum"):

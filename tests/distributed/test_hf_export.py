@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import S3_BUCKET
 from lightning.pytorch.callbacks import WeightAveraging
 from safetensors.torch import load_file
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -122,6 +124,27 @@ def test_llama_trained_under_fsdp2_and_tp2_round_trips_through_from_pretrained(t
     assert (loaded - torch.tensor(trained)).abs().max() <= TOLERANCE
     with pytest.raises(SystemExit, match=r"--module 'net' is not an exportable model of .*recorded: \['model'\]"):
         cli(["export", str(tmp_path / "tp2.ckpt"), str(tmp_path / "other"), "--hf", "--module", "net"])
+
+
+def test_export_from_s3_to_s3_loads_with_from_pretrained(s3: str, tmp_path: Path) -> None:
+    """A checkpoint in the bucket exported into the bucket (sharded, then again over it unsharded): the folder,
+    downloaded, loads with from_pretrained in a process without lightscale and gives the trained logits."""
+    url = f"s3://{S3_BUCKET}/hf"
+    trained = run_distributed(_fit, "fsdp2", 2, f"{url}/fsdp2.ckpt", world_size=2, timeout_s=300)[0]
+    fs = fsspec.filesystem("s3")
+    folders, listings = [], []
+    for shard in ("20KB", "5GB"):  # the second export, unsharded, replaces the first in the same folder
+        cli(["export", f"{url}/fsdp2.ckpt", f"{url}/out", "--hf", "--max-shard-size", shard])
+        fs.invalidate_cache()
+        listings.append(sorted(key.rsplit("/", 1)[-1] for key in fs.find(f"{S3_BUCKET}/hf/out")))
+        folders.append(tmp_path / shard)
+        fs.get(f"{S3_BUCKET}/hf/out/", str(folders[-1]), recursive=True)
+    sharded, single = listings
+    assert "config.json" in sharded and "model.safetensors.index.json" in sharded
+    assert sum(name.endswith(".safetensors") for name in sharded) > 1
+    assert "config.json" in single and [name for name in single if "safetensors" in name] == ["model.safetensors"]
+    loaded = _from_pretrained(*folders)
+    assert (loaded - torch.tensor([trained, trained])).abs().max() <= TOLERANCE
 
 
 def test_gpt_recipe_exports_safetensors_and_its_config(tmp_path: Path, corpus_cache: str) -> None:
