@@ -13,6 +13,11 @@ In object storage (an fsspec URL, lightscale/storage/urls.py) a checkpoint direc
 completion marker, which is written last, so its time is the save's; a name whose marker is gone mid-publish counts
 through its complete staged copy (``X.ckpt.tmp/``); single objects are complete once they exist.
 
+Lightning's own ``ckpt_path="last"`` cannot see a bucket: it lists ``s3://bucket/run`` through fsspec, gets keys
+without the scheme (``bucket/run/last.ckpt``) and looks for those on local disk. ``lightscale.Trainer.fit`` answers
+``"last"`` itself when every ModelCheckpoint writes to a URL (:func:`resolve_last`): Lightning's rule (``last*.ckpt``,
+newest wins) over the complete checkpoints there, as above. Local directories keep Lightning's answer.
+
 Every rank decides alone from the same directory: at the start of ``fit`` no rank of this attempt has saved yet and
 every rank of the previous attempt is gone, so they all see the same files.
 
@@ -22,10 +27,12 @@ Example:
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightscale.errors import ConfigurationError
 from lightscale.storage.atomic_dir import complete_checkpoint
@@ -51,19 +58,51 @@ def newest_checkpoint(dirpath: str | Location) -> Location | None:
 
 def newest_remote_checkpoint(directory: RemotePath) -> RemotePath | None:
     """:func:`newest_checkpoint` in object storage: by the time of each complete checkpoint's marker (or object)."""
+    times = finished_remote_checkpoints(directory, named=lambda name: name.endswith(".ckpt"))
+    return max(times, key=lambda path: (times[path], path.name.startswith("last"))) if times else None
+
+
+def finished_remote_checkpoints(directory: RemotePath, *, named: Callable[[str], bool]) -> dict[RemotePath, float]:
+    """When the save of each complete checkpoint in ``directory`` whose name ``named`` accepts finished: its
+    marker's time (written last), or its staged copy's after a cut-short publish, or a single object's."""
     names = {name.removesuffix(".tmp") for name in directory.names()}
     times = {}
-    for name in sorted(name for name in names if name.endswith(".ckpt")):
+    for name in sorted(name for name in names if named(name)):
         found = complete_checkpoint(directory / name)
         if not isinstance(found, RemotePath):
             continue
         if is_complete(found):
-            times[directory / name] = (found / COMPLETE).modified()  # written last: when the save finished
+            times[directory / name] = (found / COMPLETE).modified()
         elif found.is_file():
             times[directory / name] = found.modified()
+    return times
+
+
+def resolve_last(ckpt_path: Any, callbacks: list[Any]) -> Any:
+    """``ckpt_path``, or for ``"last"`` when every ModelCheckpoint writes to a URL, the newest complete
+    ``last*.ckpt`` there (None, warning as Lightning does, when there is none); see the module docstring."""
+    if ckpt_path != "last" or not callbacks:
+        return ckpt_path
+    locations = [checkpoint_location(str(callback.dirpath)) for callback in callbacks if callback.dirpath is not None]
+    if len(locations) < len(callbacks) or not all(isinstance(location, RemotePath) for location in locations):
+        return ckpt_path  # local directories: Lightning's own answer
+    times: dict[RemotePath, float] = {}
+    for callback, directory in zip(callbacks, locations, strict=True):
+        assert isinstance(directory, RemotePath)
+        times |= finished_remote_checkpoints(directory, named=_last_names(callback))
     if not times:
+        where = ", ".join(str(location) for location in locations)
+        rank_zero_warn(f'ckpt_path="last": no complete last checkpoint in {where}; no checkpoint will be loaded.')
         return None
-    return max(times, key=lambda path: (times[path], path.name.startswith("last")))
+    return str(max(times, key=lambda path: times[path]))
+
+
+def _last_names(callback: Any) -> Callable[[str], bool]:
+    """Lightning's rule for a last checkpoint's name (ModelCheckpoint._find_last_checkpoints), from the callback's
+    public class attributes: ``last.ckpt``, ``last-v1.ckpt``, ..."""
+    pattern = re.compile(rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?")
+    extension = callback.FILE_EXTENSION
+    return lambda name: name.endswith(extension) and bool(pattern.match(name[: -len(extension)]))
 
 
 def _is_complete(path: Path) -> bool:

@@ -22,7 +22,7 @@ from lightscale.plugins.precision import (
     maybe_cpu_fp16_plugin,
     maybe_float8_plugin,
 )
-from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
+from lightscale.resume import check_resume, checkpoint_dir, resolve_last, resolve_resume
 from lightscale.storage.urls import RemotePath
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies
@@ -35,8 +35,8 @@ class Trainer(LightningTrainer):
     machine has, and precision names without one meaning under every strategy.
 
     ``resume="auto"`` makes every ``fit`` continue from the newest complete checkpoint in the ModelCheckpoint's
-    ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins. See
-    :mod:`lightscale.resume`.
+    ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins; ``fit(ckpt_path="last")`` also
+    finds the last checkpoint when ModelCheckpoint writes to an fsspec URL. See :mod:`lightscale.resume`.
 
     Example:
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
@@ -89,6 +89,7 @@ class Trainer(LightningTrainer):
         ckpt_path: Any = None,
         weights_only: bool | None = None,
     ) -> None:
+        ckpt_path = resolve_last(ckpt_path, self.checkpoint_callbacks)  # "last" in a bucket (Lightning cannot list it)
         ckpt_path = resolve_resume(self.resume, ckpt_path, self._resume_dir)
         super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
 

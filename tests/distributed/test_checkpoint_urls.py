@@ -312,17 +312,20 @@ def test_a_rank_killed_mid_save_leaves_nothing_half_written_as_complete(
     assert whole[:SAVED_AT] + second == whole  # resumed from the complete step-3 checkpoint, bitwise
 
 
-def _memory_round_trip() -> tuple[list[float], list[float], list[str]]:
+def _memory_round_trip() -> tuple[list[float], list[float], list[float], list[str]]:
     whole, _ = _fit("bucketed_ddp", max_steps=STEPS)
     first, _ = _fit("bucketed_ddp", max_steps=SAVED_AT, dirpath="memory://ckpts/run")
     second, _ = _fit("bucketed_ddp", max_steps=STEPS, ckpt_path=f"memory://ckpts/run/step={SAVED_AT}.ckpt")
-    return whole, first + second, sorted(fsspec.filesystem("memory").find("/ckpts/run"))
+    saved = sorted(fsspec.filesystem("memory").find("/ckpts/run"))
+    # Lightning's "last", answered by lightscale.Trainer for a bucket: last.ckpt (step 3), whose save finished last
+    last, _ = _fit("bucketed_ddp", max_steps=STEPS, dirpath="memory://ckpts/run", ckpt_path="last")
+    return whole, first + second, first + last, saved
 
 
 def test_memory_url_round_trip_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    whole, resumed, saved = run_distributed(_memory_round_trip, world_size=1)[0]
-    assert resumed == whole
+    whole, resumed, resumed_last, saved = run_distributed(_memory_round_trip, world_size=1)[0]
+    assert resumed == whole and resumed_last == whole
     assert f"/ckpts/run/step={SAVED_AT}.ckpt/{COMPLETE}" in saved
     assert list(tmp_path.iterdir()) == []
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir
 from lightscale.errors import ConfigurationError
-from lightscale.resume import newest_checkpoint
+from lightscale.resume import newest_checkpoint, resolve_last
 from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.urls import COMPLETE, RemotePath, checkpoint_location
 
@@ -173,3 +174,29 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage(monk
     last.remove()  # a publish killed after unmarking and deleting last.ckpt: its staged copy is complete
     assert newest_checkpoint(directory) == last
     assert _version(complete_checkpoint(last)) == "7"
+
+
+def test_lightnings_last_is_answered_in_object_storage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """fit(ckpt_path="last") under lightscale.Trainer: the newest complete last*.ckpt of the ModelCheckpoint's bucket
+    (Lightning lists it without the scheme and finds nothing); local directories keep Lightning's own answer."""
+    directory = checkpoint_location(f"memory://last-{uuid.uuid4().hex[:8]}")
+    assert isinstance(directory, RemotePath)
+    written: dict[str, float] = {}
+    write = RemotePath.write_bytes
+
+    def stamped_write(self: RemotePath, data: bytes) -> None:
+        write(self, data)
+        written[str(self)] = float(len(written))
+
+    monkeypatch.setattr(RemotePath, "write_bytes", stamped_write)
+    monkeypatch.setattr(RemotePath, "modified", lambda self: written[str(self)])
+    callbacks = [ModelCheckpoint(dirpath=str(directory))]
+    with pytest.warns(UserWarning, match="no complete last checkpoint"):
+        assert resolve_last("last", callbacks) is None  # an empty bucket prefix: start fresh, as Lightning does
+    _save(directory / "last.ckpt", "3")
+    _save(directory / "step=5.ckpt", "5")  # newer, but not a last checkpoint
+    _save(directory / "last-v1.ckpt", "4")
+    _write(directory / "last-v2.ckpt", "killed before its marker")  # newest, never complete
+    assert resolve_last("last", callbacks) == str(directory / "last-v1.ckpt")
+    assert resolve_last("best", callbacks) == "best" and resolve_last(None, callbacks) is None
+    assert resolve_last("last", [ModelCheckpoint(dirpath=tmp_path)]) == "last"  # local: Lightning lists it
