@@ -9,7 +9,12 @@ the marker). Save time: the wall time of the ``save_checkpoint`` call on rank 0 
 atomic commit done). The server runs on the same 2-core machine, so its CPU time competes with the ranks': a real
 object store's network replaces it.
 
+``--format deepspeed`` saves DeepSpeed's own engine directory instead (a ZeRO strategy with
+``checkpoint_format="deepspeed"``: each rank writes to local scratch and uploads its files; lightscale/zero/
+checkpoint_dir.py).
+
     python benchmarks/s3_save.py [--repeats 3] [--gap 2] [--strategy fsdp2]
+    python benchmarks/s3_save.py --strategy zero2 --format deepspeed
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from common import interleaved, median, timed_trainer
 
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.storage.local_s3 import local_s3_server, s3_environment
+from lightscale.strategies import ZeroStrategy
 from lightscale.testing import run_distributed
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)  # the benchmarks' small GPT
@@ -60,12 +66,21 @@ class SaveTimer(pl.Callback):
         self.seconds[where].append(time.perf_counter() - start)
 
 
-def _rank(strategy: str, repeats: int, gap: int, directory: str) -> dict[str, list[float]]:
+def _strategy(name: str, checkpoint_format: str) -> Any:
+    """The strategy name, or for ``--format deepspeed`` that ZeRO name's class writing DeepSpeed's own directory."""
+    if checkpoint_format == "dcp":
+        return name
+    _, init = ZeroStrategy.aliases[name]  # KeyError: only ZeRO names write DeepSpeed's format
+    return ZeroStrategy(**init, checkpoint_format=checkpoint_format)
+
+
+def _rank(strategy: str, checkpoint_format: str, repeats: int, gap: int, directory: str) -> dict[str, list[float]]:
     pl.seed_everything(0, verbose=False)
     order = interleaved(list(TARGETS), repeats)
     targets = {"local": directory, "s3 new": f"s3://{BUCKET}/new", "s3 over": f"s3://{BUCKET}/over"}
     timer = SaveTimer(order, gap, targets)
-    trainer = timed_trainer(strategy, devices=2, steps=WARMUP + gap * (len(order) + 1), callbacks=[timer])
+    steps = WARMUP + gap * (len(order) + 1)
+    trainer = timed_trainer(_strategy(strategy, checkpoint_format), devices=2, steps=steps, callbacks=[timer])
     trainer.fit(GPTModule(MODEL), GPTDataModule(block_size=MODEL.block_size, batch_size=4))
     return timer.seconds
 
@@ -75,17 +90,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gap", type=int, default=2, help="training steps between saves")
     parser.add_argument("--strategy", default="fsdp2")
+    parser.add_argument("--format", default="dcp", choices=["dcp", "deepspeed"], help="deepspeed: a ZeRO name")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory, local_s3_server(bucket=BUCKET) as endpoint:
         os.environ.update(s3_environment(endpoint))  # the ranks' S3 clients (forked: they inherit it)
-        seconds = run_distributed(_rank, args.strategy, args.repeats, args.gap, directory, world_size=2, timeout_s=3000)
+        run = (args.strategy, args.format, args.repeats, args.gap, directory)
+        seconds = run_distributed(_rank, *run, world_size=2, timeout_s=3000)
         first = next(Path(directory).glob("step=*.ckpt"))
         size = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
         s3_size = sum(fsspec.filesystem("s3").du(f"{BUCKET}/over/last.ckpt", total=False).values())
     times = {name: median(seconds[0][name]) for name in TARGETS}
     print(
         f"checkpoint save to S3 (moto on loopback) vs local disk, small GPT ({size / 2**20:.1f} MiB checkpoint, "
-        f"{s3_size / 2**20:.1f} MiB in the bucket), {args.strategy}, 2 CPU ranks, {args.repeats} ABBA repeats, medians:"
+        f"{s3_size / 2**20:.1f} MiB in the bucket), {args.strategy} ({args.format}), 2 CPU ranks, {args.repeats} ABBA "
+        "repeats, medians:"
     )
     print("  one save: " + ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in times.items()))
     every = {name: " ".join(f"{t * 1e3:.0f}" for t in seconds[0][name]) for name in TARGETS}
