@@ -37,20 +37,22 @@ def upload_directory(local: Path, remote: RemotePath, *, last: tuple[str, ...] =
     """Put every file under ``local`` at the same relative name under ``remote``; the names in ``last`` (relative
     paths) go after all others, in that order. Returns the relative names uploaded."""
     names = sorted(str(path.relative_to(local)) for path in local.rglob("*") if path.is_file())
-    ordered = [name for name in names if name not in last] + [name for name in last if name in names]
-    for name in ordered:
+    first, then = [name for name in names if name not in last], [name for name in last if name in names]
+    if first:  # one call: fsspec's async filesystems (s3fs, gcsfs, adlfs) upload the files concurrently
+        remote.fs.put([str(local / name) for name in first], [f"{remote.key}/{name}" for name in first])
+    for name in then:
         remote.fs.put_file(str(local / name), f"{remote.key}/{name}")
-    return ordered
+    return first + then
 
 
 def download_directory(remote: RemotePath, local: Path, *, keep: Callable[[str], bool] = lambda name: True) -> None:
     """Get every object under ``remote`` whose relative name ``keep`` accepts (never the completion marker)."""
-    for key in remote.files():
-        name = key[len(remote.key) :].lstrip("/")
-        if name != COMPLETE and keep(name):
-            target = local / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            remote.fs.get_file(key, str(target))
+    keys = {key: key[len(remote.key) :].lstrip("/") for key in remote.files()}
+    wanted = {key: local / name for key, name in keys.items() if name != COMPLETE and keep(name)}
+    for target in wanted.values():
+        target.parent.mkdir(parents=True, exist_ok=True)
+    if wanted:  # one call: concurrent downloads on fsspec's async filesystems
+        remote.fs.get(list(wanted), [str(target) for target in wanted.values()])
 
 
 @contextmanager
