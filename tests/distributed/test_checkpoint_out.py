@@ -333,9 +333,10 @@ def test_consolidate_refuses_optimizer_state_it_cannot_give(trained: dict[str, A
     assert not (tmp_path / "out.ckpt").exists()
 
 
-def test_import_installs_the_hook_once() -> None:
+def test_installing_the_hook_again_keeps_one() -> None:
     import lightning.pytorch.core.saving as saving
 
+    install_lightning_loading()  # lightscale.patch_lightning() and every lightscale strategy call it
     before = saving.pl_load
     install_lightning_loading()
     assert saving.pl_load is before

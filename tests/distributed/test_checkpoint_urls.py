@@ -140,9 +140,12 @@ def _objects(prefix: str) -> list[str]:
 
 def _load_in_fresh_process(url: str, out: Path, *, with_lightscale: bool) -> dict[str, torch.Tensor]:
     """The weights a process that never trained (and, for a single file, never imported lightscale) reads."""
-    if with_lightscale:  # a directory: Lightning's own classmethod, through the hook `import lightscale` installs
+    if (
+        with_lightscale
+    ):  # a directory: Lightning's own classmethod, through the hook lightscale.patch_lightning() installs
         code = (
             f"import sys, torch; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; "
+            "import lightscale; lightscale.patch_lightning(); "
             "from test_checkpoint_urls import Regressor; "
             f"torch.save(Regressor.load_from_checkpoint({url!r}).state_dict(), {str(out)!r})"
         )
