@@ -37,7 +37,10 @@ from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
+from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.testing import RankFailed, run_distributed
+
+patch_lightning()  # this process reads what the ranks saved through Lightning's loaders, as a user's would
 
 BUCKET = "lightscale-test"
 STEPS, SAVED_AT = 6, 3
