@@ -112,9 +112,9 @@ def _format(
 
 def _engine_note(trainer: Trainer) -> list[str]:
     """The precision contract's engine difference that changes no value (the ones that do are warned at start-up)."""
-    family = getattr(trainer.strategy, "precision_family", None)  # None for a strategy not from lightscale
+    rules = getattr(trainer.strategy, "precision_rules", None)  # None for a strategy not from lightscale
     precision = normalize_precision(trainer.precision)
-    if family is None or precision not in PRECISIONS:
+    if rules is None or precision not in PRECISIONS:
         return []
-    row = meaning(family, precision)
-    return [f"  engine: {row.difference} ({precision} under {family})"] if row.same_values else []
+    row = meaning(rules, precision)
+    return [f"  engine: {row.difference} ({precision} under {rules.family})"] if row.same_values else []

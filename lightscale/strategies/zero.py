@@ -31,7 +31,14 @@ from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
 from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
+from lightscale.plugins.precision_contract import (
+    Compression,
+    PrecisionRules,
+    check_compression,
+    enforce_contract,
+    float8_refused,
+    refuse_impossible,
+)
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.urls import refuse_remote
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
@@ -64,8 +71,13 @@ from lightscale.zero.engine import (
 )
 from lightscale.zero.partition import is_partitioned, partition, regather_persistent
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
+from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
+# DeepSpeed's engines: their own meaning of every precision but float8 (lightscale/zero/precision.py).
+PRECISION_RULES = PrecisionRules(
+    "zero", meanings=DEEPSPEED_MEANINGS, refused={("16-mixed", "cpu"): FP16_NEEDS_CUDA, **float8_refused(NO_FLOAT8)}
+)
 
 
 class ZeroStrategy(LightscaleStrategy):
@@ -97,7 +109,7 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
-    precision_family = "zero"
+    precision_rules = PRECISION_RULES
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
@@ -118,6 +130,7 @@ class ZeroStrategy(LightscaleStrategy):
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
     )
+    memory_alternatives = (("zero2", None), ("zero3", None))
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -164,7 +177,7 @@ class ZeroStrategy(LightscaleStrategy):
     ) -> None:
         require_deepspeed()
         super().__init__(checkpoint_format=checkpoint_format, **kwargs)
-        check_compression(compression, self.precision_family)
+        check_compression(compression, self.precision_rules)
         self.compression = compression
         self._group_names: list[list[str]] = []
         zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
@@ -218,7 +231,7 @@ class ZeroStrategy(LightscaleStrategy):
         self.precision_plugin = DeepSpeedPrecision(precision_name(self.precision_plugin))
         self._check_trainer(trainer, self.precision_plugin.precision)
         enforce_contract(
-            self.precision_family,
+            self.precision_rules,
             self.precision_plugin.precision,
             device_type=self.root_device.type,
             compression=self.compression,
@@ -272,7 +285,7 @@ class ZeroStrategy(LightscaleStrategy):
                 "by norm only; use gradient_clip_algorithm='norm'."
             )
         refuse_impossible(
-            self.precision_family, precision, device_type=self.root_device.type, compression=self.compression
+            self.precision_rules, precision, device_type=self.root_device.type, compression=self.compression
         )
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
