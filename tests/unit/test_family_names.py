@@ -11,6 +11,10 @@ string (a docstring's example, a message naming the strategy to use) is not a us
 ``diloco`` is not in the set: DiLoCo declares no rules of its own (its workers run the inner strategy's), and the
 string names other things owned elsewhere: the outer-sync mode (``parallel/diloco/outer_sync.py``) and the
 checkpoint section (``checkpoint/diloco_state.py``).
+
+The same scan holds every registered strategy name (``aliases``: ``zero3``, ``fsdp2_offload``, ...) to the module of
+the class that registers it, except DiLoCo's names that are also its outer-sync modes (``MODES``: ``diloco``,
+``local_sgd``), which ``parallel/diloco/outer_sync.py`` owns as values of ``mode=``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ast
 import inspect
 from pathlib import Path
 
+from lightscale.parallel.diloco.outer_sync import MODES
 from lightscale.strategies.registry import strategy_classes
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
@@ -35,6 +40,16 @@ def _owners() -> dict[str, Path]:
         if cls.precision_rules is not None:
             owners.setdefault(cls.precision_rules.family, Path(inspect.getfile(cls)).resolve())
     return owners
+
+
+def _name_owners() -> dict[str, Path]:
+    """registered strategy name -> the module of the class that registers it (but DiLoCo's mode names)."""
+    return {
+        name: Path(inspect.getfile(cls)).resolve()
+        for cls in strategy_classes()
+        for name in cls.__dict__["aliases"]
+        if name not in MODES
+    }
 
 
 def _strays(root: Path, owners: dict[str, Path]) -> list[str]:
@@ -54,6 +69,13 @@ def test_family_names_only_in_their_class_module() -> None:
     assert {"bucketed_ddp", "zero", "fsdp2", "parallel_3d"} <= set(owners)  # the scan is not vacuous
     strays = _strays(ROOT, owners)
     assert not strays, "family names typed outside their class's module (ask the class instead):\n" + "\n".join(strays)
+
+
+def test_strategy_names_only_in_their_class_module() -> None:
+    owners = _name_owners()
+    assert {"zero3", "fsdp2_offload", "tp2", "streaming_diloco"} <= set(owners)
+    strays = _strays(ROOT, owners)
+    assert not strays, "strategy names typed outside their class's module (ask the class):\n" + "\n".join(strays)
 
 
 def test_every_exception_still_holds() -> None:
