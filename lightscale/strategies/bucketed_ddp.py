@@ -28,16 +28,6 @@ from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
 from lightscale.strategies.base import LightscaleStrategy
 
-# The standard meaning of every precision (autocast, GradScaler); PowerSGD needs a reducer that sees whole gradient
-# matrices, so only this family implements it.
-PRECISION_RULES = PrecisionRules(
-    "bucketed_ddp",
-    refused=float8_refused(
-        "float8 is applied on the one parallelize path of fsdp2 and parallel_3d (fsdp2 also runs on one device)"
-    ),
-    compressions={"powersgd": "bucketed_ddp_powersgd"},
-)
-
 
 class BucketedDDPStrategy(LightscaleStrategy):
     """Data parallel training with bucketed, backward-overlapped gradient all-reduce.
@@ -56,7 +46,15 @@ class BucketedDDPStrategy(LightscaleStrategy):
         >>> Trainer(strategy=BucketedDDPStrategy(bucket_cap_mb=50, compression="bf16"), devices=4)
     """
 
-    precision_rules = PRECISION_RULES
+    # The standard meaning of every precision (autocast, GradScaler); PowerSGD needs a reducer that sees whole gradient
+    # matrices, so only this family implements it.
+    precision_rules = PrecisionRules(
+        "bucketed_ddp",
+        refused=float8_refused(
+            "float8 is applied on the one parallelize path of fsdp2 and parallel_3d (fsdp2 also runs on one device)"
+        ),
+        compressions={"powersgd": "bucketed_ddp_powersgd"},
+    )
     checkpoint_formats = ("dcp", "file")  # whole parameters on every rank: Lightning's single file too
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),

@@ -60,16 +60,6 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 
-# The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
-PRECISION_RULES = PrecisionRules(
-    "fsdp2",
-    how={
-        "bf16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
-        "16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32) + ShardedGradScaler",
-    },
-    refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
-)
-
 
 class FSDP2Strategy(LightscaleStrategy):
     """Fully sharded data parallelism with FSDP2: each unit (transformer block) one all-gather/reduce-scatter group.
@@ -100,7 +90,15 @@ class FSDP2Strategy(LightscaleStrategy):
         >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
     """
 
-    precision_rules = PRECISION_RULES
+    # The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
+    precision_rules = PrecisionRules(
+        "fsdp2",
+        how={
+            "bf16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+            "16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32) + ShardedGradScaler",
+        },
+        refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
+    )
     aliases = {
         "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
         "fsdp2_grad_op": (

@@ -74,10 +74,6 @@ from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero
 from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
-# DeepSpeed's engines: their own meaning of every precision but float8 (lightscale/zero/precision.py).
-PRECISION_RULES = PrecisionRules(
-    "zero", meanings=DEEPSPEED_MEANINGS, refused={("16-mixed", "cpu"): FP16_NEEDS_CUDA, **float8_refused(NO_FLOAT8)}
-)
 
 
 class ZeroStrategy(LightscaleStrategy):
@@ -109,7 +105,10 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
-    precision_rules = PRECISION_RULES
+    # DeepSpeed's engines: their own meaning of every precision but float8 (lightscale/zero/precision.py).
+    precision_rules = PrecisionRules(
+        "zero", meanings=DEEPSPEED_MEANINGS, refused={("16-mixed", "cpu"): FP16_NEEDS_CUDA, **float8_refused(NO_FLOAT8)}
+    )
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),

@@ -72,17 +72,6 @@ from lightscale.strategies.parallel_3d.model import (
 )
 from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule, SplittableBatches
 
-# The standard meanings: FSDP's policy where FSDP shards the whole module, else autocast (and a scaler on all ranks).
-PRECISION_RULES = PrecisionRules(
-    "parallel_3d",
-    how={
-        "bf16-mixed": "as fsdp2 when FSDP shards the whole module (dp or ep > 1, no pipeline); else bf16 autocast",
-        "16-mixed": "as fsdp2 when FSDP shards the whole module; else fp16 autocast + ShardedGradScaler (all ranks; "
-        "under a pipeline each microbatch loss is scaled inside the schedule)",
-    },
-    refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
-)
-
 
 class Parallel3DStrategy(LightscaleStrategy):
     """Data, tensor, pipeline, expert and context parallelism in one mesh ``(pp, dp_replicate, dp_shard, ep, cp,
@@ -115,7 +104,16 @@ class Parallel3DStrategy(LightscaleStrategy):
         >>> Trainer(strategy=Parallel3DStrategy(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4), devices=8)
     """
 
-    precision_rules = PRECISION_RULES
+    # The standard meanings: FSDP's policy where FSDP shards the whole module, else autocast (a scaler on all ranks).
+    precision_rules = PrecisionRules(
+        "parallel_3d",
+        how={
+            "bf16-mixed": "as fsdp2 when FSDP shards the whole module (dp or ep > 1, no pipeline); else bf16 autocast",
+            "16-mixed": "as fsdp2 when FSDP shards the whole module; else fp16 autocast + ShardedGradScaler "
+            "(all ranks; under a pipeline each microbatch loss is scaled inside the schedule)",
+        },
+        refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
+    )
     parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
