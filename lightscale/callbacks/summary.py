@@ -43,7 +43,7 @@ class RunSummary(Callback):
         self.last_loss = loss
         if self.first_loss is None:
             self.first_loss = loss
-            self.state_bytes = model_state_bytes(pl_module, trainer.optimizers)
+            self.state_bytes = model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy)
             self.started = time.perf_counter()
         else:
             self.tokens += _tokens(batch) * trainer.accumulate_grad_batches * _data_parallel_degree(trainer)

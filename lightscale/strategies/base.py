@@ -40,8 +40,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
@@ -264,18 +262,6 @@ class LightscaleStrategy(CheckpointingStrategy):
         writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
         an EMA (lightscale/strategies/weight_averaging.py)."""
         return local_shards(module if module is not None else self.lightning_module, self)
-
-    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The one local-shard rule: the piece of ``tensor`` this rank holds, a writable alias (a DTensor's local
-        tensor, else the tensor). An engine that keeps parameters its own way answers in its strategy (ZeRO)."""
-        return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
-
-    def after_local_write(self, module: nn.Module) -> None:
-        """After writing into local shards (an average swapped in): FSDP2 roots left unsharded by an eval forward
-        would keep serving their stale gathered weights, so they reshard."""
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
 
     # ---- optimizers ----------------------------------------------------------------------------------------
     @classmethod

@@ -9,6 +9,7 @@ boundary is), LR schedulers (stepped per optimizer step, as under every other st
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -69,7 +70,15 @@ from lightscale.zero.engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
-from lightscale.zero.partition import is_partitioned, partition, regather_persistent
+from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
+from lightscale.zero.partition import (
+    full_numel,
+    full_shape,
+    is_partitioned,
+    partition,
+    regather_persistent,
+    stored_tensors,
+)
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
@@ -139,6 +148,33 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def after_local_write(self, module: nn.Module) -> None:
         regather_persistent(list(module.parameters()))
+
+    @override
+    def global_shape(self, tensor: torch.Tensor) -> torch.Size:
+        return full_shape(tensor) if is_partitioned(tensor) else super().global_shape(tensor)
+
+    @override
+    def global_numel(self, tensor: torch.Tensor) -> int:
+        return full_numel(tensor) if is_partitioned(tensor) else super().global_numel(tensor)
+
+    @override
+    def is_flat_slice(self, tensor: torch.Tensor) -> bool:
+        return is_partitioned(tensor)
+
+    @override
+    def parameter_tensors(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """The partition, and the whole data while a ZeRO-3 parameter is gathered (persistent ones always are)."""
+        return stored_tensors(param) if is_partitioned(param) else super().parameter_tensors(param)
+
+    @override
+    def optimizer_gradient_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        return gradient_partitions(optimizer)
+
+    @override
+    def optimizer_state_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        """The fp32 master partitions, then the wrapped torch optimizer's state."""
+        yield from master_partitions(optimizer)
+        yield from super().optimizer_state_tensors(optimizer)
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
