@@ -14,12 +14,14 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightscale.estimate.plan import Plannable
+from lightscale.plugins.precision_contract import PrecisionRules
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.names import REGISTERED, check_strategy, strategy_table
 
 __all__ = [
     "check_strategy",
     "family_members",
+    "memory_alternatives",
     "plan_candidates",
     "register_strategies",
     "strategy_classes",
@@ -48,15 +50,22 @@ def unregister_strategy(cls: type[LightscaleStrategy]) -> None:
             StrategyRegistry.remove(name)
 
 
-def family_members() -> dict[str, list[str]]:
-    """The names of each precision family (``precision_contract.render_table`` shows them)."""
-    members: dict[str, list[str]] = {}
+def family_members() -> dict[PrecisionRules, list[str]]:
+    """The names under each precision family's rules, in registration order (``precision_contract.render_table``
+    shows them): a class that inherits or borrows another's rules (a user's subclass, DiLoCo) joins its family."""
+    members: dict[PrecisionRules, list[str]] = {}
     for cls in REGISTERED:
-        if cls.precision_family is not None:
-            members.setdefault(cls.precision_family, []).extend(cls.__dict__["aliases"])
+        if cls.precision_rules is not None:
+            members.setdefault(cls.precision_rules, []).extend(cls.__dict__["aliases"])
     return members
 
 
 def plan_candidates() -> list[Plannable]:
     """What ``fit_memory`` and ``lightscale plan`` may choose, in registration order (least communication first)."""
     return [option for cls in REGISTERED for option in cls.__dict__.get("plannable", ())]
+
+
+def memory_alternatives() -> list[tuple[str, str | None]]:
+    """What an out-of-memory report proposes, (name, activation checkpointing), in registration order (least
+    communication first), as each class declares it (``memory_alternatives``)."""
+    return [option for cls in REGISTERED for option in cls.__dict__.get("memory_alternatives", ())]
