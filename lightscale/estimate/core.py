@@ -31,7 +31,7 @@ from lightscale.estimate.activations import (
 )
 from lightscale.estimate.memory_layout import Layout, layout_of
 from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states, secondary_shard_bytes
-from lightscale.estimate.parameters import rank_parameter_split, whole_gradient_elements
+from lightscale.estimate.parameters import Numel, own_numel, rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
 
@@ -85,18 +85,20 @@ def estimate_memory(
     activation_checkpointing: str | None = None,
     optimizer_states: int = 2,
     activations: bool = True,
+    numel: Numel = own_numel,
 ) -> MemoryEstimate:
     """Estimate one rank's memory for ``module`` trained under ``strategy`` on ``world_size`` ranks.
 
     ``module`` may be unbuilt: ``configure_model()`` runs on the meta device. ``batch`` is one example batch (only
     needed when the module declares no ``transformer_shape()``). ``activation_checkpointing`` overrides the
     strategy's mode; ``optimizer_states`` is 2 for Adam; ``activations=False`` skips them (model states only).
+    ``numel`` gives a parameter's global size: for a live model, the running strategy's ``global_numel``.
     """
     layout = strategy if isinstance(strategy, Layout) else layout_of(strategy, world_size=world_size)
     if activation_checkpointing is not None:
         layout = layout.with_(activation_checkpointing=activation_checkpointing)
     build_on_meta(module)
-    dense, experts = rank_parameter_split(module, layout)
+    dense, experts = rank_parameter_split(module, layout, numel=numel)
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
     extra = whole_gradient_elements(module, layout)
     states = model_states(dense, layout, per, extra_gradient_elements=extra, expert_sizes=experts)
@@ -109,7 +111,7 @@ def estimate_memory(
         world_size=layout.world_size,
         precision=precision,
         micro_batch=micro_batch,
-        num_params=sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters()),
+        num_params=sum(numel(p) for p in module.parameters()),
         rank_params=sum(dense) + sum(experts),
         parameters=Placed(states.parameters.device + secondary, states.parameters.host),
         gradients=states.gradients,
