@@ -37,6 +37,16 @@ def _checkpoint_location(path: object) -> object:
     return checkpoint_location(path)
 
 
+def _unmarked_remote_checkpoint() -> object:
+    """DeepSpeed's directory in memory://, every file but the marker: loaders refuse it before downloading anything."""
+    import fsspec
+
+    from lightscale.checkpoint.lightning_format import lightning_checkpoint
+
+    fsspec.filesystem("memory").pipe("/unmarked/last.ckpt/checkpoint/mp_rank_00_model_states.pt", b"half")
+    return lightning_checkpoint("memory://unmarked/last.ckpt")
+
+
 def _lightscale():
     import lightscale
 
@@ -808,6 +818,9 @@ CATALOGUE: list[tuple] = [
     ("ckpt-url-through-pathlib", "a checkpoint URL that went through pathlib.Path (s3:// became s3:/)",
      lambda: _checkpoint_location(Path("s3://bucket/run")), CE,
      r"'s3:/bucket/run' looks like a URL that lost one '/'.*pass the URL as a string"),
+    ("ckpt-url-incomplete", "a checkpoint directory at a URL without its completion marker (its save did not finish)",
+     lambda: _unmarked_remote_checkpoint(), CE,
+     r"memory://unmarked/last\.ckpt is an incomplete checkpoint: its save did not finish.*Resume from an earlier"),
     ("consolidate-no-optimizer", "consolidate --with-optimizer of a checkpoint without optimizer state",
      _consolidate_without_optimizer_state, CE,
      r"holds no optimizer state in the portable layout; consolidate it without --with-optimizer"),
