@@ -27,6 +27,9 @@ from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.optim.flat_muon import FlatMuon
+from lightscale.optim.install import exact_optimizer
+from lightscale.optim.rule import ParameterView
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
@@ -62,7 +65,7 @@ from lightscale.zero.engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
-from lightscale.zero.partition import is_partitioned, partition, regather_persistent
+from lightscale.zero.partition import flat_groups, is_partitioned, partition, regather_persistent
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
@@ -113,11 +116,22 @@ class ZeroStrategy(LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
-    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (lightscale/optim/rule.py)
+    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py); stage 1/2: parameter_view_for
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
     )
+
+    @classmethod
+    @override
+    def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
+        """ZeRO-1/2 lay each group's parameters end to end, a layout lightscale reads (torch's Muon runs there as
+        FlatMuon); ZeRO-3 partitions each parameter on its own."""
+        return "flat_groups" if init_params.get("stage", 2) < 3 else "flat"
+
+    @override
+    def optimizer_parameter_view(self) -> ParameterView:
+        return type(self).parameter_view_for({"stage": self.options.stage})
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -246,6 +260,8 @@ class ZeroStrategy(LightscaleStrategy):
             # engine holds the (replicated) weights and still loads the checkpoint's module states.
             self.config["zero_optimization"] = {"stage": 0}
         self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
+        if isinstance(optimizer, FlatMuon):
+            optimizer.attach(flat_groups(zero_optimizer(self._engine)))  # where each matrix lies in the partitions
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
@@ -297,8 +313,9 @@ class ZeroStrategy(LightscaleStrategy):
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s). {SEVERAL_OPTIMIZERS}"
             )
         optimizer = optimizers[0]
-        self.check_optimizers([optimizer])  # shape-dependent optimizers would step flat partitions: refused
+        self.check_optimizers([optimizer])  # shape-dependent optimizers: exact (Muon at stage 1/2) or refused
         check_zero_optimizer(optimizer)
+        optimizer = exact_optimizer(optimizer, self.optimizer_parameter_view())  # torch's Muon: FlatMuon
         self._group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer:
             optimizer = host_optimizer(optimizer, self.user_config)

@@ -1,0 +1,216 @@
+"""torch.optim.Muon under zero1, zero2 and zero2_offload (2 gloo ranks) steps as in one process: the strategy installs
+FlatMuon (lightscale/optim/flat_muon.py), which orthogonalizes each matrix whole, once, on an owner rank, while
+DeepSpeed hands the optimizer flat 1-D partitions.
+
+The model is a bias-free MLP, 8 -> 15 -> 4: ``up.weight`` (120 elements) and ``down.weight`` (60) laid end to end,
+180 elements, 90 per rank. So ``up.weight`` is split 90 + 30 over the ranks (gathered to its owner, rank 0) and
+``down.weight`` lies inside rank 1's partition (orthogonalized there, no bytes moved).
+
+One launch runs, on each rank:
+    * zero1, zero2 and zero2_offload for ``STEPS`` steps, counting the optimizer's gathers and scatters; zero2 saves at
+      ``SAVE_AT``, and a zero2 run resumes that checkpoint;
+    * FlatMuon on hand-built flat partitions (no DeepSpeed): the same layout, and a planted error (Newton-Schulz on
+      each rank's piece alone) that must not match.
+Checked: the parameters equal one process's torch.optim.Muon (to the fp32 rounding of the gradient average), the
+hand-built partitions bitwise; each step moves one gather and one scatter of 90 bf16 elements (180 B) per rank; the
+resumed run ends bitwise where the uninterrupted one does; the estimator counts the momentum buffer exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightscale.estimate import estimate_memory
+from lightscale.optim import flat_muon, muon
+from lightscale.optim.flat_muon import FlatGroup, FlatMuon, FlatSpan, flat_muon_from
+from lightscale.testing import run_distributed
+
+TOLERANCE = 1e-6  # absolute, on the parameters: the gradient averages differ from one process in order only
+STEPS, SAVE_AT, BATCH, LR = 6, 3, 8, 0.05
+NAMES = ["zero1", "zero2", "zero2_offload"]
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 15, bias=False)
+        self.down = nn.Linear(15, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Muon(self.parameters(), lr=LR)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH, 8, generator=generator), torch.randint(0, 4, (BATCH,), generator=generator)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = MLP()
+    optimizer = module.configure_optimizers()
+    for _ in range(STEPS):
+        module.training_step(_batch(), 0).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+# ---- on each rank --------------------------------------------------------------------------------------------
+class _CountingDist:
+    """torch.distributed as lightscale/optim/muon.py sees it, logging each gather's and scatter's local bytes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []  # (kind, bytes of this rank's piece, owner)
+
+    def gather(self, tensor: torch.Tensor, *args: Any, group_dst: int, **kwargs: Any) -> Any:
+        self.calls.append(("gather", tensor.nbytes, group_dst))
+        return dist.gather(tensor, *args, group_dst=group_dst, **kwargs)
+
+    def scatter(self, tensor: torch.Tensor, *args: Any, group_src: int, **kwargs: Any) -> Any:
+        self.calls.append(("scatter", tensor.nbytes, group_src))
+        return dist.scatter(tensor, *args, group_src=group_src, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
+class _Final(pl.Callback):
+    def __init__(self) -> None:
+        self.out: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        inner = trainer.strategy.engine.optimizer.optimizer  # DeepSpeed's ZeRO optimizer wraps the user's
+        self.out["optimizer"] = type(inner).__name__
+        self.out["state_bytes"] = sum(t.nbytes for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+        self.out["params"] = {name: p.detach().clone() for name, p in module.named_parameters()}  # stage 1/2: whole
+
+
+def _fit(name: str, root: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    final, counting = _Final(), _CountingDist()
+    callbacks: list[pl.Callback] = [final]
+    if save_at is not None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=root, filename="saved-{step}", every_n_train_steps=save_at, save_top_k=-1)
+        )
+    trainer = quiet_trainer(name, devices=2, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(save_at))
+    with mock.patch.object(muon, "dist", counting):
+        trainer.fit(MLP(), DataLoader(TensorDataset(*_batch()), batch_size=BATCH // 2), ckpt_path=resume)
+    return final.out | {"calls": counting.calls}
+
+
+def _hand_built(planted: bool) -> float:
+    """Four steps of FlatMuon on flat partitions built by hand as ZeRO-1/2 lays them (90 elements per rank) vs
+    torch's Muon on the whole matrices: the largest difference."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = [torch.Size((15, 8)), torch.Size((4, 15))]
+    init = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(4)]
+    whole = [nn.Parameter(t.clone()) for t in init]
+    reference_optimizer = torch.optim.Muon(whole, lr=LR)
+    rank = dist.get_rank()
+    mine = slice(90 * rank, 90 * (rank + 1))
+    partition = nn.Parameter(torch.cat([t.reshape(-1) for t in init])[mine].clone())
+    ours = flat_muon_from(torch.optim.Muon([nn.Parameter(t.clone()) for t in init], lr=LR))
+    ours.param_groups[0]["params"] = [partition]  # what DeepSpeed does to each group
+    spans = (FlatSpan(shapes[0], (90, 30), 0), FlatSpan(shapes[1], (0, 60), 30))
+    ours.attach([FlatGroup(partition, spans, dist.group.WORLD, rank, partition.device)])
+    for step_grads in grads:
+        for param, grad in zip(whole, step_grads, strict=True):
+            param.grad = grad.clone()
+        partition.grad = torch.cat([g.reshape(-1) for g in step_grads])[mine].clone()
+        reference_optimizer.step()
+        if planted:  # the planted error: each rank orthogonalizes its own piece as if it were the matrix
+            with mock.patch.object(flat_muon, "orthogonalize_splits", _local_only):
+                ours.step()
+        else:
+            ours.step()
+    full = [torch.empty(90) for _ in range(2)]
+    dist.all_gather(full, partition.detach())
+    flat = torch.cat(full)
+    expected = torch.cat([p.detach().reshape(-1) for p in whole])
+    return (flat - expected).abs().max().item()
+
+
+def _local_only(splits: list[muon.Split], *, coefficients: tuple, steps: int, eps: float) -> list[torch.Tensor]:
+    return [
+        muon.newton_schulz(s.local.reshape(1, -1), coefficients, steps, eps).reshape(-1) if len(s.local) else s.local
+        for s in splits
+    ]
+
+
+def _run(root: str) -> dict[str, Any]:
+    out = {name: _fit(name, f"{root}/{name}", save_at=SAVE_AT if name == "zero2" else None) for name in NAMES}
+    saved = str(Path(root) / "zero2" / f"saved-step={SAVE_AT}.ckpt")
+    out["resumed"] = _fit("zero2", f"{root}/resumed", resume=saved)
+    return out | {"hand_built": _hand_built(planted=False), "planted": _hand_built(planted=True)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(_run, str(tmp_path_factory.mktemp("zero_muon")), world_size=2, timeout_s=600)
+
+
+# ---- the checks -----------------------------------------------------------------------------------------------
+def _error(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max((params[name] - expected[name]).abs().max().item() for name in expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameters_equal_one_process(ranks: list[dict[str, Any]], name: str) -> None:
+    expected = reference()
+    for result in ranks:
+        assert result[name]["optimizer"] == FlatMuon.__name__  # installed in place of torch's
+        error = _error(result[name]["params"], expected)
+        print(f"{name}: max |param - one process| = {error:.2g}")
+        assert error <= TOLERANCE, (name, error)
+
+
+def test_hand_built_partitions_bitwise_and_the_planted_error_fails(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        assert result["hand_built"] == 0.0  # each matrix orthogonalized whole: op for op as one process
+        assert result["planted"] > 1e-2  # Newton-Schulz of the pieces alone: another optimizer
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_gather_and_one_scatter_per_split_matrix(ranks: list[dict[str, Any]], name: str) -> None:
+    """up.weight: 90 + 30 elements, padded to 90 bf16 = 180 B per rank, owned by rank 0; down.weight lies in rank 1's
+    partition: orthogonalized there, nothing moved."""
+    for result in ranks:
+        assert result[name]["calls"] == [("gather", 180, 0), ("scatter", 180, 0)] * STEPS
+
+
+def test_resume_under_zero2_is_bitwise(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        uninterrupted, resumed = result["zero2"]["params"], result["resumed"]["params"]
+        assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
+        assert len(result["resumed"]["calls"]) == 2 * (STEPS - SAVE_AT)
+
+
+def test_estimator_counts_the_momentum_buffer_exactly(ranks: list[dict[str, Any]]) -> None:
+    """One fp32 value per element of the rank's partition (90), as SGD's momentum: 360 B on each rank."""
+    for name in ("zero1", "zero2"):
+        predicted = estimate_memory(MLP(), name, world_size=2, optimizer=torch.optim.Muon, activations=False)
+        master = 4 * 90  # DeepSpeed's fp32 master partition, counted with the optimizer state
+        for result in ranks:
+            assert result[name]["state_bytes"] == 4 * 90
+            assert predicted.optimizer.total == master + result[name]["state_bytes"], name
