@@ -84,6 +84,7 @@ PRIVATE_APIS = [
     ("lightning.pytorch.callbacks", "WeightAveraging._swap_models", "weight averaging of local shards"),
     ("lightning.pytorch.callbacks", "WeightAveraging._copy_average_to_current", "weight averaging of local shards"),
     ("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
+    ("torch.optim._muon", "_zeropower_via_newtonschulz", "Muon's Newton-Schulz in ShardedMuon and FlatMuon"),
 ]
 
 
@@ -142,6 +143,27 @@ def test_deepspeed_engine_internals(pattern: str, used_for: str) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert pattern in inspect.getsource(DeepSpeedEngine), f"DeepSpeedEngine no longer uses {pattern} ({used_for})"
+
+
+@pytest.mark.parametrize(
+    "attribute",
+    [
+        "single_partition_of_fp32_groups",
+        "real_dp_process_group",
+        "partition_size",
+        "round_robin_bit16_meta",
+        "round_robin_bit16_offsets",
+        "bit16_groups_flat",
+    ],
+)
+def test_zero12_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer)
+    assert f"self.{attribute}" in source, f"ZeRO-1/2 no longer keeps {attribute}: flat_groups reads the layout from it"
+    assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in source  # one group per inner step
 
 
 def test_zero_to_fp32_loads_through_its_torch_global() -> None:  # export swaps that global for weights-only loads
