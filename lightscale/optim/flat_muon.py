@@ -1,13 +1,15 @@
-"""torch.optim.Muon on ZeRO-1/2's flat partitions: each matrix orthogonalized whole and once, by one owner rank.
+"""torch.optim.Muon on ZeRO's flat partitions: each matrix orthogonalized whole and once, by one owner rank.
 
-DeepSpeed's ZeRO-1/2 lays each parameter group's parameters end to end in one flat buffer, splits it into equal
-partitions, one per rank, and hands the optimizer this rank's fp32 partition (1-D, with its 1-D gradient), one group
-at a time. torch's Muon refuses that (``Param gradient must be a 2D matrix``). Here Muon's momentum, Nesterov
-update and weight decay, which are elementwise, run on the flat partition as it is; the Newton-Schulz iteration runs
-on each matrix whole: the ranks holding pieces of it send them (bf16, the iteration's first cast) to an owner, which
-runs torch's own iteration once and sends each piece back (lightscale/optim/muon.py ``orthogonalize_splits``, the
-same code ShardedMuon uses under fsdp2); a matrix lying inside one rank's partition is orthogonalized there and moves
-no bytes. Each piece is then applied with the learning rate adjusted by the matrix's global shape, as torch does.
+DeepSpeed hands the optimizer this rank's flat fp32 partition (1-D, with its 1-D gradient), one parameter group
+(ZeRO-3: one sub-group) at a time. ZeRO-1/2 lay each group's parameters end to end in one flat buffer and split it
+into equal partitions, one per rank; ZeRO-3 splits each parameter into equal pieces, one per rank, and lays a
+sub-group's pieces end to end. Either way a matrix's elements, flattened, are its pieces on the ranks in rank order.
+torch's Muon refuses such a partition (``Param gradient must be a 2D matrix``). Here Muon's momentum, Nesterov update
+and weight decay, which are elementwise, run on the flat partition as it is; the Newton-Schulz iteration runs on each
+matrix whole: the ranks holding pieces of it send them (bf16, the iteration's first cast) to an owner, which runs
+torch's own iteration once and sends each piece back (lightscale/optim/muon.py ``orthogonalize_splits``, the same
+code ShardedMuon uses under fsdp2); a matrix lying inside one rank's partition is orthogonalized there and moves no
+bytes. Each piece is then applied with the learning rate adjusted by the matrix's global shape, as torch does.
 
 The strategy says where each matrix lies (:meth:`FlatMuon.attach`, from lightscale/zero/partition.py, the one place
 that reads DeepSpeed's layout) once the engine is built. State: torch's ``momentum_buffer``, one value per element of
@@ -32,8 +34,8 @@ from lightscale.optim.muon import Split, adjust_lr, orthogonalize_splits
 
 @dataclass(frozen=True)
 class FlatSpan:
-    """One parameter of a flat group: its shape, its element count on each rank, and where this rank's piece
-    starts in this rank's flat partition."""
+    """One parameter of a flat partition: its shape, its element count on each rank, and where this rank's piece
+    starts in this rank's flat partition (its other elements on a rank, if any, are padding)."""
 
     shape: torch.Size
     sizes: tuple[int, ...]  # elements on each rank of the group, in group rank order
@@ -52,7 +54,7 @@ class FlatGroup:
 
 
 class FlatMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` stepping ZeRO-1/2 flat partitions with each matrix orthogonalized whole (module
+    """``torch.optim.Muon`` stepping ZeRO's flat partitions with each matrix orthogonalized whole (module
     docstring). Built with the user's 2-D parameters; DeepSpeed then replaces each group's parameters by its
     partition."""
 
@@ -74,7 +76,7 @@ class FlatMuon(torch.optim.Muon):
         if flat is None:
             raise ConfigurationError(
                 "FlatMuon stepped a tensor whose ZeRO layout it was not given: the ZeRO strategy calls "
-                "FlatMuon.attach(...) after building DeepSpeed's engine; torch.optim.Muon runs under zero1/zero2."
+                "FlatMuon.attach(...) after building DeepSpeed's engine (lightscale/strategies/zero.py)."
             )
         update = self._momentum_update(partition, group)
         splits = [_split(update, span, flat) for span in flat.spans]

@@ -40,7 +40,7 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
 def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> torch.optim.Optimizer:
     """The optimizer that steps ``optimizer``'s math under ``view``: itself, or on DTensor shards ShardedAdafactor for
     torch's Adafactor and ShardedMuon for torch's Muon (also as parts of a CombinedOptimizer, replaced in place); on
-    ZeRO-1/2's flat partitions FlatMuon for torch's Muon."""
+    ZeRO's flat partitions FlatMuon for torch's Muon."""
     if isinstance(optimizer, CombinedOptimizer):
         optimizer.optimizers = [exact_optimizer(part, view) for part in optimizer.optimizers]
         optimizer.sync_groups()
@@ -49,7 +49,7 @@ def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> to
         return sharded_adafactor_from(optimizer)
     if view == "dtensor" and type(optimizer) is torch.optim.Muon:
         return sharded_muon_from(optimizer)
-    if view == "flat_groups" and type(optimizer) is torch.optim.Muon:
+    if view == "flat_mapped" and type(optimizer) is torch.optim.Muon:
         return flat_muon_from(optimizer)
     return optimizer
 

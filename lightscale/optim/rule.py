@@ -12,12 +12,13 @@ parameter as one process would. Each strategy class says how its optimizer sees 
   own step fails on DTensor), torch's Muon by :class:`~lightscale.optim.muon.ShardedMuon` (each matrix orthogonalized
   whole, once, by an owner rank; torch's own runs on every rank through DTensor's sharded bf16 products, which round
   differently); a user's own shape-dependent optimizer is refused.
-* ``"flat_groups"``: DeepSpeed steps flat 1-D partitions of each group's parameters laid end to end (ZeRO-1/2),
-  a layout lightscale reads (lightscale/zero/partition.py): torch's Muon is stepped by
+* ``"flat_mapped"``: DeepSpeed steps flat 1-D fp32 partitions, and lightscale reads where each parameter lies in them
+  (lightscale/zero/partition.py): ZeRO-1/2 lay each group's parameters end to end, ZeRO-3 each parameter's own
+  partition end to end (zero1, zero2, zero3 and their offload names). torch's Muon is stepped by
   :class:`~lightscale.optim.flat_muon.FlatMuon` (each matrix gathered whole to an owner rank for Newton-Schulz);
   Adafactor (its factored state would need the matrices' rows on one rank) and a user's own are refused.
-* ``"flat"``: DeepSpeed steps flat 1-D partitions of each parameter (ZeRO-3, its offload and infinity names): every
-  shape-dependent optimizer is refused.
+* ``"flat"``: DeepSpeed steps flat 1-D partitions it may swap to NVMe (ZeRO-Infinity; fit_memory, which may become
+  any ZeRO name): every shape-dependent optimizer is refused.
 
 Under both flat views a combination of optimizers (lightscale/optim/combined.py) is refused: DeepSpeed rebuilds its
 groups.
@@ -37,14 +38,14 @@ import torch
 
 from lightscale.errors import ConfigurationError
 
-ParameterView = Literal["whole", "dtensor", "flat_groups", "flat"]
+ParameterView = Literal["whole", "dtensor", "flat_mapped", "flat"]
 VIEWS: dict[ParameterView, str] = {
     "whole": "every rank steps whole parameters",
     "dtensor": "parameters are DTensors sharded across ranks",
-    "flat_groups": "DeepSpeed steps flat 1-D partitions of each group's parameters laid end to end",
-    "flat": "DeepSpeed steps flat 1-D partitions of each parameter",
+    "flat_mapped": "DeepSpeed steps flat 1-D partitions of the parameters",
+    "flat": "DeepSpeed steps flat 1-D partitions of the parameters, which it may swap to NVMe files",
 }
-FLAT: tuple[ParameterView, ...] = ("flat_groups", "flat")
+FLAT: tuple[ParameterView, ...] = ("flat_mapped", "flat")
 # torch's shape-dependent optimizers, by class, with what their step reads.
 KNOWN: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.Adafactor: "second moments factored over the last two dimensions, updates scaled by whole-tensor norms",
@@ -52,8 +53,8 @@ KNOWN: dict[type[torch.optim.Optimizer], str] = {
 }
 # The ones a "dtensor" strategy runs exactly, as ShardedAdafactor and ShardedMuon (lightscale/optim/install.py).
 EXACT_ON_DTENSOR: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adafactor, torch.optim.Muon)
-# The ones a "flat_groups" strategy (ZeRO-1/2) runs exactly, as FlatMuon (lightscale/optim/install.py).
-EXACT_ON_FLAT_GROUPS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
+# The ones a "flat_mapped" strategy (ZeRO but Infinity) runs exactly, as FlatMuon (lightscale/optim/install.py).
+EXACT_ON_FLAT_MAPPED: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
 ATTRIBUTE = "shape_dependent"
 
 
@@ -81,7 +82,7 @@ def runs_exactly(optimizer: torch.optim.Optimizer, view: ParameterView) -> bool:
         return True
     if view == "dtensor":
         return type(optimizer) in EXACT_ON_DTENSOR
-    return view == "flat_groups" and type(optimizer) in EXACT_ON_FLAT_GROUPS
+    return view == "flat_mapped" and type(optimizer) in EXACT_ON_FLAT_MAPPED
 
 
 def check_optimizers(

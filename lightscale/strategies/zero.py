@@ -116,7 +116,7 @@ class ZeroStrategy(LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
-    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py); stage 1/2: parameter_view_for
+    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py): see parameter_view_for
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
@@ -125,13 +125,13 @@ class ZeroStrategy(LightscaleStrategy):
     @classmethod
     @override
     def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
-        """ZeRO-1/2 lay each group's parameters end to end, a layout lightscale reads (torch's Muon runs there as
-        FlatMuon); ZeRO-3 partitions each parameter on its own."""
-        return "flat_groups" if init_params.get("stage", 2) < 3 else "flat"
+        """Flat partitions whose layout lightscale reads (torch's Muon runs there as FlatMuon), except ZeRO-Infinity's,
+        which DeepSpeed swaps to NVMe files."""
+        return "flat" if init_params.get("nvme_path") else "flat_mapped"
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
-        return type(self).parameter_view_for({"stage": self.options.stage})
+        return type(self).parameter_view_for({"nvme_path": self.options.nvme_path or self._nvme_auto})
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,13 @@ from lightscale.testing import run_distributed
 
 TOLERANCE = 1e-6  # absolute, on the parameters: the gradient averages differ from one process in order only
 STEPS, SAVE_AT, BATCH, LR = 6, 3, 8, 0.05
-NAMES = ["zero1", "zero2", "zero2_offload"]
+NAMES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+# Per step, this rank's (kind, bytes, owner) of Muon's gathers and scatters. ZeRO-1/2: up.weight split 90 + 30 (padded
+# to 90 bf16 = 180 B, owned by rank 0), down.weight inside rank 1's partition (nothing moved). ZeRO-3 splits each
+# matrix in halves: up.weight 60 + 60 (120 B, owner rank 0), down.weight 30 + 30 (60 B, owner rank 1, the next turn).
+STAGE12 = [("gather", 180, 0), ("scatter", 180, 0)]
+STAGE3 = [("gather", 120, 0), ("gather", 60, 1), ("scatter", 120, 0), ("scatter", 60, 1)]
+CALLS = {"zero1": STAGE12, "zero2": STAGE12, "zero2_offload": STAGE12, "zero3": STAGE3, "zero3_offload": STAGE3}
 
 
 class MLP(pl.LightningModule):
@@ -101,7 +107,10 @@ class _Final(pl.Callback):
         inner = trainer.strategy.engine.optimizer.optimizer  # DeepSpeed's ZeRO optimizer wraps the user's
         self.out["optimizer"] = type(inner).__name__
         self.out["state_bytes"] = sum(t.nbytes for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
-        self.out["params"] = {name: p.detach().clone() for name, p in module.named_parameters()}  # stage 1/2: whole
+        import deepspeed  # an extra: imported once the strategy has named the CPU accelerator
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):  # ZeRO-3: whole for the moment
+            self.out["params"] = {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
 def _fit(name: str, root: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
@@ -193,10 +202,8 @@ def test_hand_built_partitions_bitwise_and_the_planted_error_fails(ranks: list[d
 
 @pytest.mark.parametrize("name", NAMES)
 def test_one_gather_and_one_scatter_per_split_matrix(ranks: list[dict[str, Any]], name: str) -> None:
-    """up.weight: 90 + 30 elements, padded to 90 bf16 = 180 B per rank, owned by rank 0; down.weight lies in rank 1's
-    partition: orthogonalized there, nothing moved."""
     for result in ranks:
-        assert result[name]["calls"] == [("gather", 180, 0), ("scatter", 180, 0)] * STEPS
+        assert result[name]["calls"] == CALLS[name] * STEPS
 
 
 def test_resume_under_zero2_is_bitwise(ranks: list[dict[str, Any]]) -> None:
@@ -207,8 +214,9 @@ def test_resume_under_zero2_is_bitwise(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_estimator_counts_the_momentum_buffer_exactly(ranks: list[dict[str, Any]]) -> None:
-    """One fp32 value per element of the rank's partition (90), as SGD's momentum: 360 B on each rank."""
-    for name in ("zero1", "zero2"):
+    """One fp32 value per element of the rank's partition (90: ZeRO-1/2 90 of the 180 laid end to end, ZeRO-3 60 + 30),
+    as SGD's momentum: 360 B on each rank."""
+    for name in ("zero1", "zero2", "zero3"):
         predicted = estimate_memory(MLP(), name, world_size=2, optimizer=torch.optim.Muon, activations=False)
         master = 4 * 90  # DeepSpeed's fp32 master partition, counted with the optimizer state
         for result in ranks:

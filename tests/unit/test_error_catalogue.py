@@ -824,11 +824,11 @@ CATALOGUE: list[tuple] = [
     ("optimizer-shape-zero", "an optimizer whose step reads a parameter's shape (torch's Adafactor) under ZeRO, which "
      "would step it on flat partitions (at setup)", _adafactor_under_zero, CE,
      r"torch.optim.Adafactor cannot run under ZeroStrategy.*flat 1-D partitions.*runs exactly under: bucketed_ddp"),
-    ("optimizer-shape-muon-zero", "torch's Muon under ZeRO-3, whose partitions split each parameter on its own "
-     "(it runs under zero1 and zero2, as FlatMuon; at setup)",
-     lambda: _shape_dependent_under("zero3", "muon"), CE,
-     r"torch.optim.Muon cannot run under ZeroStrategy.*flat 1-D partitions of each parameter.*runs exactly under: "
-     r".*zero2_offload.*fsdp2"),
+    ("optimizer-shape-muon-zero", "torch's Muon under zero_infinity, whose partitions DeepSpeed swaps to NVMe files "
+     "(it runs under zero1/2/3 and their offload names, as FlatMuon; at setup)",
+     lambda: _shape_dependent_under("zero_infinity", "muon"), CE,
+     r"torch.optim.Muon cannot run under ZeroStrategy.*swap to NVMe files.*runs exactly under: "
+     r".*zero3_offload.*fsdp2"),
     ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
      "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
      r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),

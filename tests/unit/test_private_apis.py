@@ -166,6 +166,19 @@ def test_zero12_flat_layout_attributes(attribute: str) -> None:  # lightscale/ze
     assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in source  # one group per inner step
 
 
+@pytest.mark.parametrize("attribute", ["fp32_partitioned_groups_flat", "sub_group_process_groups", "fp16_groups"])
+def test_zero3_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import Init
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    assert f"self.{attribute}" in source, f"ZeRO-3 no longer keeps {attribute}: flat_groups reads the layout from it"
+    assert "start = start + src.ds_numel" in source  # each parameter's partition laid end to end in a sub-group
+    assert "def partition_numel" in inspect.getsource(Init)  # the per-rank piece, ceil(numel / ranks)
+
+
 def test_zero_to_fp32_loads_through_its_torch_global() -> None:  # export swaps that global for weights-only loads
     from deepspeed.utils import zero_to_fp32
 
