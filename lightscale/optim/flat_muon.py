@@ -61,6 +61,8 @@ class FlatMuon(torch.optim.Muon):
     def attach(self, groups: list[FlatGroup]) -> None:
         """Where each matrix lies in the partitions (the strategy calls this once the engine is built)."""
         self._flat = {id(group.partition): group for group in groups}
+        self._first = id(groups[0].partition) if groups else None  # DeepSpeed steps it first in every step
+        self._turns: dict[Any, int] = {}  # owners take turns over the whole step, across the groups
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -78,10 +80,12 @@ class FlatMuon(torch.optim.Muon):
                 "FlatMuon stepped a tensor whose ZeRO layout it was not given: the ZeRO strategy calls "
                 "FlatMuon.attach(...) after building DeepSpeed's engine (lightscale/strategies/zero.py)."
             )
+        if id(partition) == self._first:
+            self._turns.clear()  # a new step: the first owner is rank 0 again
         update = self._momentum_update(partition, group)
         splits = [_split(update, span, flat) for span in flat.spans]
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"], eps=group["eps"])
-        orthogonal = orthogonalize_splits(splits, **ns)
+        orthogonal = orthogonalize_splits(splits, **ns, turns=self._turns)
         lr = float(group["lr"])  # a 1-element tensor lr too, as torch's
         for span, piece in zip(flat.spans, orthogonal, strict=True):
             size = span.sizes[flat.rank]

@@ -97,15 +97,18 @@ class Split:
     group: Any  # the process group
 
 
-def orthogonalize_splits(splits: list[Split], *, coefficients: tuple, steps: int, eps: float) -> list[torch.Tensor]:
+def orthogonalize_splits(
+    splits: list[Split], *, coefficients: tuple, steps: int, eps: float, turns: dict[Any, int] | None = None
+) -> list[torch.Tensor]:
     """This rank's piece of Newton-Schulz(matrix) for each split matrix, computed once per matrix by an owner rank.
 
     A matrix held whole by one rank is orthogonalized there, without communication. Every other matrix gets an owner
     (the group's ranks take turns, round-robin), which gathers the pieces, runs the iteration exactly as one process
     and scatters the pieces back: every gather is posted first, then each owner orthogonalizes, then every scatter is
     posted. Per matrix on W ranks: one gather and one scatter of max(sizes) elements per rank (pieces padded).
+    ``turns`` (per process group, the next owner) carries the turns over calls: DeepSpeed steps one group at a time.
     """
-    turns: dict[Any, int] = {}
+    turns = {} if turns is None else turns
     pending: list[_Gather | torch.Tensor] = []
     for split in splits:
         holders = [rank for rank, size in enumerate(split.sizes) if size > 0]

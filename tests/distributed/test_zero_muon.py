@@ -48,8 +48,9 @@ CALLS = {"zero1": STAGE12, "zero2": STAGE12, "zero2_offload": STAGE12, "zero3": 
 
 
 class MLP(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, groups: bool = False) -> None:
         super().__init__()
+        self.groups = groups
         self.up = nn.Linear(8, 15, bias=False)
         self.down = nn.Linear(15, 4, bias=False)
 
@@ -61,6 +62,9 @@ class MLP(pl.LightningModule):
         return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.groups:  # one group per matrix, the second at half the rate
+            groups = [{"params": [self.up.weight]}, {"params": [self.down.weight], "lr": LR / 2}]
+            return torch.optim.Muon(groups, lr=LR)
         return torch.optim.Muon(self.parameters(), lr=LR)
 
 
@@ -69,9 +73,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 8, generator=generator), torch.randint(0, 4, (BATCH,), generator=generator)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(groups: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    module = MLP()
+    module = MLP(groups)
     optimizer = module.configure_optimizers()
     for _ in range(STEPS):
         module.training_step(_batch(), 0).backward()
@@ -104,7 +108,8 @@ class _Final(pl.Callback):
         self.out: dict[str, Any] = {}
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        inner = trainer.strategy.engine.optimizer.optimizer  # DeepSpeed's ZeRO optimizer wraps the user's
+        engine = getattr(trainer.strategy, "engine", None)  # DeepSpeed's ZeRO optimizer wraps the user's
+        inner = engine.optimizer.optimizer if engine is not None else trainer.strategy.optimizers[0]
         self.out["optimizer"] = type(inner).__name__
         self.out["state_bytes"] = sum(t.nbytes for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
         import deepspeed  # an extra: imported once the strategy has named the CPU accelerator
@@ -113,7 +118,9 @@ class _Final(pl.Callback):
             self.out["params"] = {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def _fit(name: str, root: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
+def _fit(
+    name: str, root: str, *, save_at: int | None = None, resume: str | None = None, groups: bool = False
+) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     final, counting = _Final(), _CountingDist()
     callbacks: list[pl.Callback] = [final]
@@ -123,7 +130,7 @@ def _fit(name: str, root: str, *, save_at: int | None = None, resume: str | None
         )
     trainer = quiet_trainer(name, devices=2, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(save_at))
     with mock.patch.object(muon, "dist", counting):
-        trainer.fit(MLP(), DataLoader(TensorDataset(*_batch()), batch_size=BATCH // 2), ckpt_path=resume)
+        trainer.fit(MLP(groups), DataLoader(TensorDataset(*_batch()), batch_size=BATCH // 2), ckpt_path=resume)
     return final.out | {"calls": counting.calls}
 
 
@@ -160,7 +167,9 @@ def _hand_built(planted: bool) -> float:
     return (flat - expected).abs().max().item()
 
 
-def _local_only(splits: list[muon.Split], *, coefficients: tuple, steps: int, eps: float) -> list[torch.Tensor]:
+def _local_only(
+    splits: list[muon.Split], *, coefficients: tuple, steps: int, eps: float, **_: Any
+) -> list[torch.Tensor]:
     return [
         muon.newton_schulz(s.local.reshape(1, -1), coefficients, steps, eps).reshape(-1) if len(s.local) else s.local
         for s in splits
@@ -171,6 +180,8 @@ def _run(root: str) -> dict[str, Any]:
     out = {name: _fit(name, f"{root}/{name}", save_at=SAVE_AT if name == "zero2" else None) for name in NAMES}
     saved = str(Path(root) / "zero2" / f"saved-step={SAVE_AT}.ckpt")
     out["resumed"] = _fit("zero2", f"{root}/resumed", resume=saved)
+    out["ddp_resumed"] = _fit("bucketed_ddp", f"{root}/ddp_resumed", resume=saved)  # torch's own Muon
+    out["zero2_groups"] = _fit("zero2", f"{root}/groups", groups=True)
     return out | {"hand_built": _hand_built(planted=False), "planted": _hand_built(planted=True)}
 
 
@@ -211,6 +222,24 @@ def test_resume_under_zero2_is_bitwise(ranks: list[dict[str, Any]]) -> None:
         uninterrupted, resumed = result["zero2"]["params"], result["resumed"]["params"]
         assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
         assert len(result["resumed"]["calls"]) == 2 * (STEPS - SAVE_AT)
+
+
+def test_bucketed_ddp_resumes_zero2s_checkpoint_with_torchs_muon(ranks: list[dict[str, Any]]) -> None:
+    """The portable checkpoint holds torch's momentum buffers per parameter: torch's own Muon continues from it."""
+    expected = reference()
+    for result in ranks:
+        assert result["ddp_resumed"]["optimizer"] == "Muon"
+        assert _error(result["ddp_resumed"]["params"], expected) <= TOLERANCE
+
+
+def test_parameter_groups_each_stepped_with_their_own_rate(ranks: list[dict[str, Any]]) -> None:
+    """One flat partition per group (ZeRO-1/2): up.weight split 60 + 60, down.weight 30 + 30; the owners take turns
+    across the groups within a step (rank 0, then rank 1)."""
+    expected = reference(groups=True)
+    step = [("gather", 120, 0), ("scatter", 120, 0), ("gather", 60, 1), ("scatter", 60, 1)]
+    for result in ranks:
+        assert _error(result["zero2_groups"]["params"], expected) <= TOLERANCE
+        assert result["zero2_groups"]["calls"] == step * STEPS
 
 
 def test_estimator_counts_the_momentum_buffer_exactly(ranks: list[dict[str, Any]]) -> None:
