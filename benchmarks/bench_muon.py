@@ -1,5 +1,10 @@
 """Muon's optimizer step under fsdp2 (ShardedMuon: each matrix orthogonalized once, by its owner rank) against
-bucketed_ddp (torch's Muon: every rank orthogonalizes every matrix) and against AdamW under fsdp2.
+bucketed_ddp (torch's Muon: every rank orthogonalizes every matrix) and against AdamW under fsdp2; and under zero2
+(FlatMuon on DeepSpeed's flat partitions) against bucketed_ddp.
+
+ZeRO refuses a CombinedOptimizer, so the zero2 pair trains Muon alone on the 2-D weights with the rest frozen
+(``muon_only``), under zero2 and bucketed_ddp alike; its time is DeepSpeed's whole step (FlatMuon's step plus the
+all-gather of the updated partitions and the copies around it), the one that replaces DDP's ``optimizer.step()``.
 
 The GPT recipe's model (below), its data and LR schedule; the optimizer is a CombinedOptimizer of Muon for the 2-D
 weights and AdamW for the rest, or AdamW for all. Timed: ``optimizer.step()`` alone (torch's step pre/post hooks on the
@@ -31,7 +36,13 @@ from lightscale.testing import run_distributed
 
 MODEL = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=256)
 WARMUP = 2
-CASES = {"muon_fsdp2": ("fsdp2", "muon"), "muon_ddp": ("bucketed_ddp", "muon"), "adamw_fsdp2": ("fsdp2", "adamw")}
+CASES = {
+    "muon_fsdp2": ("fsdp2", "muon"),
+    "muon_ddp": ("bucketed_ddp", "muon"),
+    "adamw_fsdp2": ("fsdp2", "adamw"),
+    "muon_only_zero2": ("zero2", "muon_only"),
+    "muon_only_ddp": ("bucketed_ddp", "muon_only"),
+}
 
 
 class GPTWith(GPTModule):
@@ -41,10 +52,18 @@ class GPTWith(GPTModule):
         super().__init__(config)
         self.optimizer_name = optimizer
 
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.optimizer_name == "muon_only":  # ZeRO takes one optimizer: the rest stays frozen in both runs
+            for p in self.parameters():
+                p.requires_grad_(p.ndim == 2)
+
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
         matrices = [p for p in self.parameters() if p.ndim == 2]
+        if self.optimizer_name == "muon_only":
+            return torch.optim.Muon(matrices, lr=0.02)
         rest = [p for p in self.parameters() if p.ndim != 2]
         return CombinedOptimizer([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)])
 
@@ -58,6 +77,17 @@ class OptimizerTimer(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         optimizer = trainer.strategy.optimizers[0]
+        if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizer: time its whole step
+            step = optimizer.step
+
+            def timed_step(*args: Any, **kwargs: Any) -> Any:
+                self._before()
+                out = step(*args, **kwargs)
+                self._after(trainer)
+                return out
+
+            optimizer.step = timed_step
+            return
         parts = getattr(optimizer, "optimizers", [optimizer])
         parts[0].register_step_pre_hook(self._before)
         parts[-1].register_step_post_hook(lambda *_: self._after(trainer))
@@ -77,6 +107,8 @@ def _one(case: str, steps: int) -> tuple[list[float], str]:
     trainer = timed_trainer(strategy, devices=dist.get_world_size(), steps=WARMUP + steps, callbacks=[timer])
     trainer.fit(GPTWith(MODEL, optimizer), GPTDataModule(block_size=MODEL.block_size, batch_size=4))
     stepped = trainer.strategy.optimizers[0]
+    if not isinstance(stepped, torch.optim.Optimizer):
+        stepped = stepped.optimizer  # DeepSpeed's ZeRO optimizer wraps the one that steps
     parts = [type(part).__name__ for part in getattr(stepped, "optimizers", [stepped])]
     return timer.times, "+".join(parts)
 
@@ -100,9 +132,10 @@ def main() -> None:
     step = {case: median(values) for case, values in result["times"].items()}
     print(f"Muon optimizer step, GPT n_embd={MODEL.n_embd} n_layer={MODEL.n_layer}, {args.ranks} gloo ranks (rank 0):")
     for case, seconds in step.items():
-        print(f"  {case:12s} {result['names'][case]:22s} {1e3 * seconds:8.1f} ms")
+        print(f"  {case:16s} {result['names'][case]:22s} {1e3 * seconds:8.1f} ms")
     print(f"  Muon fsdp2 / Muon bucketed_ddp: {step['muon_fsdp2'] / step['muon_ddp']:.2f}")
     print(f"  Muon fsdp2 / AdamW fsdp2:       {step['muon_fsdp2'] / step['adamw_fsdp2']:.2f}")
+    print(f"  Muon zero2 / Muon bucketed_ddp: {step['muon_only_zero2'] / step['muon_only_ddp']:.2f} (Muon alone)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ M x N on W ranks, with P = ceil(M / W) rows per shard (padded): one gather and o
 rank. Any other layout (tensor parallel's column shards) is gathered whole on every rank (``full_tensor``) and
 orthogonalized there: exact, redundant. State: torch's ``momentum_buffer``, placed like the parameter.
 
+The owner's gather, iteration and scatter (:func:`orthogonalize_splits`, on :class:`Split` pieces in rank order) are
+shared with FlatMuon (lightscale/optim/flat_muon.py), whose pieces are runs of the flattened matrix in ZeRO's
+partitions; the iteration is torch's own function.
+
 Example:
     >>> optimizer = sharded_muon_from(torch.optim.Muon(matrices, lr=0.02))
 """
