@@ -146,7 +146,7 @@ def build_cli(args: list[str] | None, *, run: bool = True) -> LightningCLI:
     )
 
 
-def export(args: list[str], *, format: str = "auto") -> None:
+def export(args: list[str], *, source: str | None = None) -> None:
     """``lightscale export CHECKPOINT OUTPUT [--format safetensors|torch]``: any strategy's checkpoint as one file
     that the single-device model loads.
 
@@ -174,9 +174,8 @@ def export(args: list[str], *, format: str = "auto") -> None:
     target = parsed.format or infer_target(parsed.output, default="safetensors")
     if target not in ("safetensors", "torch"):
         raise ConfigurationError(f"--format {target!r} is not an export format; valid: ['safetensors', 'torch'].")
-    forced = {"zero": "deepspeed", "fsdp2": "dcp"}
     try:
-        source = forced.get(format) or detect_source(checkpoint_location(parsed.checkpoint))
+        source = source or detect_source(checkpoint_location(parsed.checkpoint))
         state = read_model_state(parsed.checkpoint, prefix=parsed.prefix, source=source, averaged=parsed.averaged)
         write_model_state(state, parsed.output, target)
     except (FileNotFoundError, ValueError) as error:  # ConfigurationError is a ValueError
@@ -221,8 +220,8 @@ def convert_command(args: list[str]) -> None:
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "strategies": lambda args: print_strategies(),
     "export": export,
-    "export-zero": partial(export, format="zero"),
-    "export-fsdp2": partial(export, format="fsdp2"),
+    "export-zero": partial(export, source="deepspeed"),
+    "export-fsdp2": partial(export, source="dcp"),
     "schedule": lambda args: draw_schedule_command(args),
     "doctor": lambda args: doctor_main(args),
     "estimate": lambda args: estimate_command(resolve_config_args(args)),

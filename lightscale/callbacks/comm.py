@@ -30,6 +30,7 @@ from lightscale.comm_counter import CollectiveCounter, Traffic
 from lightscale.estimate.memory_layout import layout_of
 from lightscale.estimate.model_states import bytes_per_parameter
 from lightscale.estimate.parameters import rank_parameter_sizes
+from lightscale.strategies.shards import shards_of
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 
@@ -101,7 +102,7 @@ def data_parallel_theory(trainer: Trainer, module: LightningModule) -> float | N
     """2Ψ (DDP, ZeRO-1/2) or 3Ψ (ZeRO-3, FSDP): buffer bytes a data-parallel step moves, Ψ = gradient bytes."""
     try:
         layout = layout_of(trainer.strategy, world_size=trainer.world_size)
-        psi = sum(rank_parameter_sizes(module, layout))
+        psi = sum(rank_parameter_sizes(module, layout, numel=shards_of(trainer.strategy).global_numel))
     except Exception:  # a theory line is a help; strategies it does not know get none
         return None
     grad_bytes = bytes_per_parameter(str(trainer.precision), engine=layout.engine).gradients

@@ -1,25 +1,24 @@
 """Per-rank bytes of model state: parameters, gradients and optimizer state, counting only local shards.
 
-Sharded strategies keep a slice of each tensor per rank: a DTensor's local tensor (FSDP2, tensor parallel)
-or a DeepSpeed ZeRO-3 partition (``param.ds_tensor``). Counting those, not the logical shapes, is what says
-whether a model fits.
+Sharded strategies keep a slice of each tensor per rank: a DTensor's local tensor (FSDP2, tensor parallel) or an
+engine's own partition (ZeRO-3). Counting those, not the logical shapes, is what says whether a model fits. Which
+tensors a rank holds is the strategy's answer (lightscale/strategies/shards.py): its parameter tensors, the gradients
+and state tensors its optimizer keeps.
 
 Example:
-    >>> model_state_bytes(model, trainer.optimizers).total
+    >>> model_state_bytes(model, trainer.optimizers, strategy=trainer.strategy).total
     1968128
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
-from lightscale.zero.partition import is_partitioned, partition
+from lightscale.strategies.shards import TensorShards, shards_of
 
 
 @dataclass(frozen=True)
@@ -33,91 +32,41 @@ class ModelStateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def local_tensor(tensor: Tensor) -> Tensor:
-    """The part of ``tensor`` this rank stores."""
-    if is_partitioned(tensor):  # DeepSpeed ZeRO-3 keeps the shard beside an empty (or, persistent, whole) param
-        return partition(tensor)
-    if isinstance(tensor, DTensor):
-        return tensor.to_local()
-    return tensor
-
-
 def model_state_bytes(
-    module: nn.Module, optimizers: Iterable[Any] = (), *, device_type: str | None = None
+    module: nn.Module, optimizers: Iterable[Any] = (), *, strategy: object = None, device_type: str | None = None
 ) -> ModelStateBytes:
-    """Bytes this rank holds for ``module``'s parameters and gradients and the optimizers' state.
+    """Bytes this rank holds for ``module``'s parameters and gradients and the optimizers' state, as ``strategy``
+    (the trainer's; default: tensors torch describes, DTensor or whole) says it holds them.
 
     Each byte of storage counts once, in the first category that claims it (views of one flat buffer, tied
-    weights). DeepSpeed's ZeRO optimizers are read too: their gradient partitions count as gradients, their
-    fp32 master partitions as optimizer state. ``device_type`` (``"cpu"``, ``"cuda"``) counts only tensors there:
-    what offloading keeps in host memory.
+    weights). Gradients an optimizer keeps itself (ZeRO's partitions) count as gradients, its masters as optimizer
+    state. ``device_type`` (``"cpu"``, ``"cuda"``) counts only tensors there: what offloading keeps in host memory.
     """
+    rules = shards_of(strategy)
     optimizers = list(optimizers)
-    ledger = _Ledger(device_type)
-    params = ledger.claim(_parameter_tensors(module))
+    ledger = _Ledger(rules, device_type)
+    params = ledger.claim(t for p in module.parameters() for t in rules.parameter_tensors(p))
     grads = ledger.claim(
         [p.grad for p in module.parameters() if p.grad is not None]
-        + [t for opt in optimizers for t in _zero_gradient_partitions(_unwrap(opt))]
+        + [t for opt in optimizers for t in rules.optimizer_gradient_tensors(opt)]
     )
-    states = ledger.claim(t for opt in optimizers for t in _optimizer_tensors(_unwrap(opt)))
+    states = ledger.claim(t for opt in optimizers for t in rules.optimizer_state_tensors(opt))
     return ModelStateBytes(params, grads, states)
-
-
-def _parameter_tensors(module: nn.Module) -> Iterator[Tensor]:
-    for param in module.parameters():
-        yield local_tensor(param)
-        if is_partitioned(param) and param.data.numel() > 0:
-            yield param.data  # a ZeRO-3 parameter that is gathered right now (or persistent) holds both
-
-
-def _unwrap(optimizer: Any) -> Any:
-    # LightningOptimizer wraps the real one; DeepSpeed's ZeRO optimizers wrap the torch optimizer and are not
-    # torch Optimizers themselves.
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
-def _zero_gradient_partitions(optimizer: Any) -> Iterator[Tensor]:
-    for name in ("averaged_gradients", "grad_partitions_flat_buffer", "offload_gradient_dict"):
-        yield from _tensors_in(getattr(optimizer, name, None))
-
-
-def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO fp32 master weights
-        yield from _tensors_in(getattr(optimizer, name, None))
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is not None and not isinstance(optimizer, Optimizer):
-        yield from _optimizer_tensors(inner)
-        return
-    if isinstance(optimizer, Optimizer):
-        for state in optimizer.state.values():
-            yield from (value for value in state.values() if isinstance(value, Tensor))
-
-
-def _tensors_in(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif hasattr(value, "flat_partition"):  # DeepSpeed's GradPartitionBufferGroup: views of one flat buffer
-        yield value.flat_partition
 
 
 class _Ledger:
     """Counts each byte of storage once, however many tensors view it."""
 
-    def __init__(self, device_type: str | None = None) -> None:
+    def __init__(self, rules: TensorShards, device_type: str | None = None) -> None:
         self._spans: list[tuple[int, int]] = []  # claimed [start, end) address ranges, disjoint and sorted
+        self._rules = rules
         self._device_type = device_type
 
     def claim(self, tensors: Iterable[Tensor]) -> int:
         """Bytes of ``tensors`` not claimed before (one sort per call: cheap enough to run every step)."""
         spans = []
         for tensor in tensors:
-            local = local_tensor(tensor)
+            local = self._rules.local_shard(tensor)  # a DTensor gradient or optimizer state: its local tensor
             if local.numel() == 0 or local.device.type == "meta":
                 continue
             if self._device_type is not None and local.device.type != self._device_type:

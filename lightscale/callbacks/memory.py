@@ -104,8 +104,8 @@ class MemoryProfiler(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._saved is not None:
-            self._gradients = model_state_bytes(pl_module, trainer.optimizers).gradients
-            self._gradients_host = _host(pl_module, trainer.optimizers).gradients
+            self._gradients = model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy).gradients
+            self._gradients_host = _host(trainer, pl_module).gradients
 
     @override
     def on_train_batch_end(
@@ -123,8 +123,8 @@ class MemoryProfiler(Callback):
         self._log(trainer, record)
 
     def _record(self, trainer: Trainer, pl_module: LightningModule, saved: SavedTensors) -> dict[str, float]:
-        states = model_state_bytes(pl_module, trainer.optimizers)
-        host = _host(pl_module, trainer.optimizers)
+        states = model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy)
+        host = _host(trainer, pl_module)
         record = {
             "step": trainer.global_step,
             "parameters": states.parameters,
@@ -203,11 +203,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def _host(module: LightningModule, optimizers: Any) -> ModelStateBytes:
+def _host(trainer: Trainer, module: LightningModule) -> ModelStateBytes:
     # On a machine without CUDA every byte is host memory; "host" then means nothing more.
     if not torch.cuda.is_available():
         return ModelStateBytes(0, 0, 0)
-    return model_state_bytes(module, optimizers, device_type="cpu")
+    return model_state_bytes(module, trainer.optimizers, strategy=trainer.strategy, device_type="cpu")
 
 
 def _step_done(trainer: Trainer, batch_idx: int) -> bool:

@@ -14,11 +14,11 @@ from torch import Tensor, nn
 
 from lightscale.estimate.core import CATEGORIES, MemoryEstimate, estimate_memory
 from lightscale.estimate.report import format_estimate, human
+from lightscale.strategies.registry import memory_alternatives
+from lightscale.strategies.shards import shards_of
 
 log = logging.getLogger(__name__)
 COLORS = {"parameters": "#4878d0", "gradients": "#ee854a", "optimizer": "#6acc64", "activations": "#d65f5f"}
-# What an OOM report proposes, least communication first (the memory-chosen strategy's order).
-ALTERNATIVES = (("zero2", None), ("zero3", None), ("fsdp2", None), ("fsdp2", "full"), ("fsdp2_offload", "full"))
 
 
 def estimate_for(trainer: Trainer, module: LightningModule, batch: Any, **overrides: Any) -> MemoryEstimate | None:
@@ -28,6 +28,7 @@ def estimate_for(trainer: Trainer, module: LightningModule, batch: Any, **overri
         "precision": str(trainer.precision),
         "micro_batch": _batch_size(batch),
         "activations": callable(getattr(module, "transformer_shape", None)),  # no second forward of a live model
+        "numel": shards_of(trainer.strategy).global_numel,  # the live model's parameters may be partitions
     }
     try:
         with _whole_network(trainer.strategy, module):
@@ -149,7 +150,7 @@ def _alternatives(trainer: Trainer, module: LightningModule, estimate: MemoryEst
     if estimate is None:
         return ["  (no estimate)"]
     lines = []
-    for strategy, checkpointing in ALTERNATIVES:
+    for strategy, checkpointing in memory_alternatives():
         other = estimate_for(
             trainer,
             module,

@@ -43,7 +43,7 @@ class RunSummary(Callback):
         self.last_loss = loss
         if self.first_loss is None:
             self.first_loss = loss
-            self.state_bytes = model_state_bytes(pl_module, trainer.optimizers)
+            self.state_bytes = model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy)
             self.started = time.perf_counter()
         else:
             self.tokens += _tokens(batch) * trainer.accumulate_grad_batches * _data_parallel_degree(trainer)
@@ -112,9 +112,9 @@ def _format(
 
 def _engine_note(trainer: Trainer) -> list[str]:
     """The precision contract's engine difference that changes no value (the ones that do are warned at start-up)."""
-    family = getattr(trainer.strategy, "precision_family", None)  # None for a strategy not from lightscale
+    rules = getattr(trainer.strategy, "precision_rules", None)  # None for a strategy not from lightscale
     precision = normalize_precision(trainer.precision)
-    if family is None or precision not in PRECISIONS:
+    if rules is None or precision not in PRECISIONS:
         return []
-    row = meaning(family, precision)
-    return [f"  engine: {row.difference} ({precision} under {family})"] if row.same_values else []
+    row = meaning(rules, precision)
+    return [f"  engine: {row.difference} ({precision} under {rules.family})"] if row.same_values else []

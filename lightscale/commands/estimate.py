@@ -22,6 +22,7 @@ from lightscale.estimate.core import estimate_memory
 from lightscale.estimate.plan import device_budget, format_plan, plan
 from lightscale.estimate.report import format_estimate, parse_bytes
 from lightscale.plugins.precision_contract import normalize_precision
+from lightscale.strategies import BucketedDDPStrategy
 from lightscale.strategies.registry import plan_candidates
 from lightscale.trainer import Trainer
 
@@ -62,7 +63,7 @@ def read_run_config(cli_args: list[str], *, world_size: int | None) -> RunConfig
     ranks = (devices if isinstance(devices, int) and devices > 0 else 1) * (trainer.get("num_nodes") or 1)
     return RunConfig(
         module=cli.model,
-        strategy=trainer.get("strategy") or "bucketed_ddp",
+        strategy=trainer.get("strategy") or BucketedDDPStrategy.default_name(),
         world_size=world_size or ranks,
         precision=normalize_precision(trainer.get("precision") or "32-true"),
         micro_batch=int(getattr(cli.datamodule, "batch_size", 1) or 1),

@@ -38,7 +38,7 @@ from lightscale.estimate.model_states import (
     secondary_shard_bytes,
 )
 from lightscale.estimate.optimizer_state import adafactor_state_bytes, is_factored, states_per_element
-from lightscale.estimate.parameters import rank_parameter_split, whole_gradient_elements
+from lightscale.estimate.parameters import Numel, own_numel, rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
 
@@ -93,6 +93,7 @@ def estimate_memory(
     optimizer_states: int = 2,
     optimizer: type[torch.optim.Optimizer] | None = None,
     activations: bool = True,
+    numel: Numel = own_numel,
 ) -> MemoryEstimate:
     """Estimate one rank's memory for ``module`` trained under ``strategy`` on ``world_size`` ranks.
 
@@ -100,13 +101,14 @@ def estimate_memory(
     needed when the module declares no ``transformer_shape()``). ``activation_checkpointing`` overrides the
     strategy's mode; ``optimizer_states`` is 2 for Adam; ``optimizer`` (a class) overrides it: Adam/AdamW 2, SGD and
     Muon 1, Adafactor its factored state (lightscale/estimate/optimizer_state.py); ``activations=False`` skips them
-    (model states only).
+    (model states only). ``numel`` gives a parameter's global size: for a live model, the running strategy's
+    ``global_numel``.
     """
     layout = strategy if isinstance(strategy, Layout) else layout_of(strategy, world_size=world_size)
     if activation_checkpointing is not None:
         layout = layout.with_(activation_checkpointing=activation_checkpointing)
     build_on_meta(module)
-    dense, experts = rank_parameter_split(module, layout)
+    dense, experts = rank_parameter_split(module, layout, numel=numel)
     if optimizer is not None:
         optimizer_states = 0 if is_factored(optimizer) else states_per_element(optimizer, optimizer_states)
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
@@ -123,7 +125,7 @@ def estimate_memory(
         world_size=layout.world_size,
         precision=precision,
         micro_batch=micro_batch,
-        num_params=sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters()),
+        num_params=sum(numel(p) for p in module.parameters()),
         rank_params=sum(dense) + sum(experts),
         parameters=Placed(states.parameters.device + secondary, states.parameters.host),
         gradients=states.gradients,

@@ -10,9 +10,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightscale.estimate.memory_layout import Layout
@@ -21,15 +21,24 @@ from lightscale.parallel.contract import network_of, tp_plan_of
 from lightscale.parallel.pipeline import stage_ids
 from lightscale.parallel.tensor_parallel import matching_modules
 
+# A parameter's global size: a live model's strategy answers it (lightscale/strategies/shards.py ``global_numel``: a
+# ZeRO-3 partition is empty in place) and is passed in from above; a model built for the estimate is whole.
+Numel = Callable[[Tensor], int]
 
-def rank_parameter_sizes(module: nn.Module, layout: Layout) -> list[int]:
+
+def own_numel(tensor: Tensor) -> int:
+    return tensor.numel()
+
+
+def rank_parameter_sizes(module: nn.Module, layout: Layout, *, numel: Numel = own_numel) -> list[int]:
     """Element counts of the parameter tensors on the most loaded rank (tied tensors once per stage)."""
-    dense, experts = rank_parameter_split(module, layout)
+    dense, experts = rank_parameter_split(module, layout, numel=numel)
     return dense + experts
 
 
-def rank_parameter_split(module: nn.Module, layout: Layout) -> tuple[list[int], list[int]]:
-    """(dense, routed-expert) element counts on the most loaded rank; experts already divided over ``layout.ep``."""
+def rank_parameter_split(module: nn.Module, layout: Layout, *, numel: Numel = own_numel) -> tuple[list[int], list[int]]:
+    """(dense, routed-expert) element counts on the most loaded rank; experts already divided over ``layout.ep``.
+    ``numel``: each parameter's global size (the running strategy's ``global_numel`` for a live model)."""
     network = network_of(module)
     tp_divisor = _tp_divisors(module, network, layout)
     expert_names = _routed_expert_parameters(network)
@@ -38,7 +47,7 @@ def rank_parameter_split(module: nn.Module, layout: Layout) -> tuple[list[int], 
         seen: dict[int, tuple[int, bool]] = {}
         for pname, param in _parameters_of(network, names):
             expert = pname in expert_names
-            size = _numel(param) // (layout.ep if expert else tp_divisor.get(pname, 1))
+            size = numel(param) // (layout.ep if expert else tp_divisor.get(pname, 1))
             seen.setdefault(id(param), (size, expert))
         per_rank.append(list(seen.values()))
     chosen = max(per_rank, key=lambda sizes: sum(size for size, _ in sizes))
@@ -78,10 +87,6 @@ def whole_gradient_elements(module: nn.Module, layout: Layout) -> int:
             if isinstance(sub, nn.Embedding) and id(sub.weight) not in colwise:
                 extra += sub.weight.numel() - sub.weight.numel() // layout.tp
     return extra
-
-
-def _numel(param: nn.Parameter) -> int:
-    return getattr(param, "ds_numel", None) or param.numel()  # a ZeRO-3 partitioned parameter is empty in place
 
 
 def _rank_modules(module: nn.Module, network: nn.Module, layout: Layout) -> list[list[str]]:

@@ -13,7 +13,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.plugins.precision_contract import FLOAT8, PRECISIONS, Family, normalize_precision, refuse_impossible
+from lightscale.plugins.precision_contract import (
+    FLOAT8,
+    PRECISIONS,
+    PrecisionRules,
+    normalize_precision,
+    refuse_impossible,
+)
 
 SUPPORTED = ("32", *PRECISIONS)  # Lightning's "32" too: normalize_precision reads it as "32-true"
 
@@ -57,26 +63,27 @@ def check_strategy_precision(
     strategy: object, precision: str | int | None, accelerator: object, *, emulate: bool = False
 ) -> None:
     """Refuse, at Trainer construction, a precision the strategy's engine cannot run on this device."""
-    family = _precision_family(strategy)
-    if family is None and str(precision) in FLOAT8:
+    rules = _precision_rules(strategy)
+    if rules is None and str(precision) in FLOAT8:
         raise ConfigurationError(
             f"precision={precision!r} runs under the fsdp2 and parallel_3d strategies (fsdp2 also on one device), "
             f"which convert the model's Linear layers on their parallelize path; strategy={strategy!r} has none."
         )
-    if family is None or precision is None:
+    if rules is None or precision is None:
         return
     name = normalize_precision(precision)
     compression = getattr(strategy, "compression", "none")  # an instance's argument; a name's class has none
     compression = compression if isinstance(compression, str) else "none"
     device_type = "cpu" if _on_cpu(accelerator) else "cuda"
-    refuse_impossible(family, name, device_type=device_type, compression=compression, emulate=emulate)
+    refuse_impossible(rules, name, device_type=device_type, compression=compression, emulate=emulate)
 
 
 def _on_cpu(accelerator: object) -> bool:
     return accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
 
 
-def _precision_family(strategy: object) -> Family | None:
+def _precision_rules(strategy: object) -> PrecisionRules | None:
+    """The rules the strategy's class declares (a name's class is read from the registry, no instance built)."""
     if isinstance(strategy, str):
         strategy = dict.get(StrategyRegistry, strategy.lower(), {}).get("strategy")  # the class, not an instance
-    return getattr(strategy, "precision_family", None)
+    return getattr(strategy, "precision_rules", None)

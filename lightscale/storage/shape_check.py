@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -20,6 +20,13 @@ from torch import Tensor
 from lightscale.errors import ConfigurationError
 
 _SHOWN = 5
+# A tensor's global shape: the strategy's answer (lightscale/strategies/shards.py ``global_shape``; a ZeRO-3 partition
+# is empty in place), passed in from above; a plain tensor's or a DTensor's own shape by default.
+ShapeOf = Callable[[Tensor], Sequence[int]]
+
+
+def own_shape(tensor: Tensor) -> Sequence[int]:
+    return tensor.shape
 
 
 def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int]], source: str) -> None:
@@ -40,13 +47,14 @@ def check_shapes(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequenc
         )
 
 
-def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The (global) shape of every tensor entry of a state dict; a ZeRO-3 partition reports its full ``ds_shape``."""
-    return {
-        key: tuple(getattr(value, "ds_shape", value.shape)) for key, value in state.items() if isinstance(value, Tensor)
-    }
+def tensor_shapes(state: Mapping[str, Any], *, shape_of: ShapeOf = own_shape) -> dict[str, tuple[int, ...]]:
+    """The (global) shape of every tensor entry of a state dict, as ``shape_of`` answers it."""
+    return {key: tuple(shape_of(value)) for key, value in state.items() if isinstance(value, Tensor)}
 
 
-def check_state_dict_shapes(saved: Mapping[str, Any], model: Mapping[str, Any], source: str) -> None:
-    """:func:`check_shapes` of two state dicts (e.g. a single-file checkpoint's ``state_dict`` and the model's)."""
-    check_shapes(tensor_shapes(saved), tensor_shapes(model), source)
+def check_state_dict_shapes(
+    saved: Mapping[str, Any], model: Mapping[str, Any], source: str, *, shape_of: ShapeOf = own_shape
+) -> None:
+    """:func:`check_shapes` of two state dicts (e.g. a single-file checkpoint's ``state_dict`` and the model's, whose
+    global shapes ``shape_of`` answers: the strategy's ``global_shape``)."""
+    check_shapes(tensor_shapes(saved), tensor_shapes(model, shape_of=shape_of), source)

@@ -17,7 +17,8 @@ What a subclass supplies (``setup`` and the four step methods are one template h
       ``training_step``) and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
     * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry`` (and lightscale's list of classes)
       when the class is defined, also in a user's own file;
-    * ``precision_family`` - its column of the precision contract; ``plannable`` - which names ``fit_memory`` /
+    * ``precision_rules`` - its part of the precision contract (a ``PrecisionRules``: how each precision is
+      realised, where its engine differs, what it refuses); ``plannable`` - which names ``fit_memory`` /
       ``lightscale plan`` may choose; ``memory_layout(world_size)`` - how it holds the model, for the estimator.
 See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
@@ -39,8 +40,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
@@ -53,7 +52,7 @@ from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
 from lightscale.parallel.mesh import ParallelDims
-from lightscale.plugins.precision_contract import Family, check_family
+from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
@@ -81,8 +80,11 @@ class LightscaleStrategy(CheckpointingStrategy):
     """
 
     aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]] = {}
-    precision_family: ClassVar[Family | None] = None  # its column of the precision contract (precision_contract.py)
+    # Its part of the precision contract, declared in its own module (lightscale/plugins/precision_contract.py).
+    precision_rules: ClassVar[PrecisionRules | None] = None
     plannable: ClassVar[tuple[Plannable, ...]] = ()  # names the planner may choose (lightscale/estimate/plan.py)
+    # Names an out-of-memory report proposes, with an activation-checkpointing mode (None: the name's own).
+    memory_alternatives: ClassVar[tuple[tuple[str, str | None], ...]] = ()
     # How its optimizer sees parameters: which shape-dependent optimizers run exactly (lightscale/optim/rule.py).
     parameter_view: ClassVar[ParameterView] = "whole"
 
@@ -90,8 +92,8 @@ class LightscaleStrategy(CheckpointingStrategy):
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("aliases"):
-            if cls.precision_family is not None:
-                check_family(cls.precision_family)
+            if cls.precision_rules is not None:
+                declare_family(cls.precision_rules)
             own = set(cls.__dict__["aliases"])
             REGISTERED[:] = [known for known in REGISTERED if not own & set(known.__dict__["aliases"])]
             REGISTERED.append(cls)
@@ -111,6 +113,14 @@ class LightscaleStrategy(CheckpointingStrategy):
         """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner. Built
         and asked here; a class whose construction needs its engine answers from the parameters alone (ZeRO)."""
         return cls(**init_params).memory_layout(world_size)
+
+    @classmethod
+    def default_name(cls) -> str:
+        """The name this class registers for itself with its defaults (its ``aliases`` entry without init kwargs)."""
+        for name, (_, init_params) in cls.__dict__.get("aliases", {}).items():
+            if not init_params:
+                return name
+        raise ConfigurationError(f"{cls.__name__} registers no name for its default settings.")
 
     def __init__(
         self,
@@ -252,18 +262,6 @@ class LightscaleStrategy(CheckpointingStrategy):
         writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
         an EMA (lightscale/strategies/weight_averaging.py)."""
         return local_shards(module if module is not None else self.lightning_module, self)
-
-    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The one local-shard rule: the piece of ``tensor`` this rank holds, a writable alias (a DTensor's local
-        tensor, else the tensor). An engine that keeps parameters its own way answers in its strategy (ZeRO)."""
-        return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
-
-    def after_local_write(self, module: nn.Module) -> None:
-        """After writing into local shards (an average swapped in): FSDP2 roots left unsharded by an eval forward
-        would keep serving their stale gathered weights, so they reshard."""
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
 
     # ---- optimizers ----------------------------------------------------------------------------------------
     @classmethod

@@ -25,7 +25,7 @@ from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, 
 from lightscale.parallel.parallelize import ParallelizeOptions
 from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import enforce_contract
+from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
 from lightscale.strategies.base import LightscaleStrategy
 
 
@@ -46,7 +46,15 @@ class BucketedDDPStrategy(LightscaleStrategy):
         >>> Trainer(strategy=BucketedDDPStrategy(bucket_cap_mb=50, compression="bf16"), devices=4)
     """
 
-    precision_family = "bucketed_ddp"
+    # The standard meaning of every precision (autocast, GradScaler); PowerSGD needs a reducer that sees whole gradient
+    # matrices, so only this family implements it.
+    precision_rules = PrecisionRules(
+        "bucketed_ddp",
+        refused=float8_refused(
+            "float8 is applied on the one parallelize path of fsdp2 and parallel_3d (fsdp2 also runs on one device)"
+        ),
+        compressions={"powersgd": "bucketed_ddp_powersgd"},
+    )
     checkpoint_formats = ("dcp", "file")  # whole parameters on every rank: Lightning's single file too
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
@@ -88,7 +96,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         name = precision_name(plugin)
-        enforce_contract(self.precision_family, name, device_type=self.root_device.type, compression=self.compression)
+        enforce_contract(self.precision_rules, name, device_type=self.root_device.type, compression=self.compression)
         return plugin
 
     @override
@@ -113,7 +121,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(
-            self.precision_family, precision_name(plugin), device_type=device_type, compression=self.compression
+            self.precision_rules, precision_name(plugin), device_type=device_type, compression=self.compression
         )
         return plugin
 

@@ -42,9 +42,10 @@ from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.shape_check import check_state_dict_shapes
 from lightscale.storage.shared_dir import check_shared_dir
 from lightscale.storage.urls import Location, check_shared, checkpoint_location
+from lightscale.strategies.shards import TensorShards
 
 
-class CheckpointingStrategy(ProcessStrategy):
+class CheckpointingStrategy(TensorShards, ProcessStrategy):
     """Lightning's checkpoint hooks in the portable layout; ``async_save=True`` writes in the background (training
     blocks only while the state is copied to CPU memory; lightscale/checkpoint/async_save.py), on strategies that
     save through this class's ``save_checkpoint``. Other arguments: see ProcessStrategy."""
@@ -214,7 +215,10 @@ class CheckpointingStrategy(ProcessStrategy):
         the keys and shapes."""
         if "state_dict" in checkpoint:
             check_state_dict_shapes(
-                checkpoint["state_dict"], self.lightning_module.state_dict(), "the checkpoint (ckpt_path)"
+                checkpoint["state_dict"],
+                self.lightning_module.state_dict(),
+                "the checkpoint (ckpt_path)",
+                shape_of=self.global_shape,
             )
             super().load_model_state_dict(checkpoint, strict=strict)
 

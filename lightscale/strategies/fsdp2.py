@@ -49,7 +49,15 @@ from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
-from lightscale.plugins.precision_contract import FLOAT8, Compression, check_compression, enforce_contract
+from lightscale.plugins.precision_contract import (
+    FLOAT8,
+    FLOAT8_CPU,
+    Compression,
+    PrecisionRules,
+    check_compression,
+    enforce_contract,
+    float8_refused,
+)
 from lightscale.strategies.base import LightscaleStrategy
 
 
@@ -82,7 +90,15 @@ class FSDP2Strategy(LightscaleStrategy):
         >>> Trainer(strategy=FSDP2Strategy(dp_replicate=2, activation_checkpointing="full"), devices=8)
     """
 
-    precision_family = "fsdp2"
+    # The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
+    precision_rules = PrecisionRules(
+        "fsdp2",
+        how={
+            "bf16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+            "16-mixed": "FSDP MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32) + ShardedGradScaler",
+        },
+        refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
+    )
     aliases = {
         "fsdp2": ("FSDP2 full shard: params, grads, optimizer state sharded; reshard after forward (ZeRO-3)", {}),
         "fsdp2_grad_op": (
@@ -111,6 +127,7 @@ class FSDP2Strategy(LightscaleStrategy):
             activation_checkpointing="full",
         ),
     )
+    memory_alternatives = (("fsdp2", None), ("fsdp2", "full"), ("fsdp2_offload", "full"))
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
@@ -152,7 +169,7 @@ class FSDP2Strategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        check_compression(compression, self.precision_family)
+        check_compression(compression, self.precision_rules)
         self.zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
         self.zeropp.check_with(reshard_after_forward=reshard_after_forward, compression=compression)
         check_ac_mode(activation_checkpointing)
@@ -197,7 +214,7 @@ class FSDP2Strategy(LightscaleStrategy):
         name = precision_name(plugin)
         emulate = bool(float8 := float8_options(plugin)) and float8.emulate
         device, compression = self.root_device.type, self.compression
-        enforce_contract(self.precision_family, name, device_type=device, compression=compression, emulate=emulate)
+        enforce_contract(self.precision_rules, name, device_type=device, compression=compression, emulate=emulate)
         self._refuse_float8_with_zeropp(name)
         return fsdp2_precision_plugin(name, self.root_device.type, given=plugin)
 
@@ -265,7 +282,7 @@ class FSDP2Strategy(LightscaleStrategy):
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         name = precision_name(plugin)
-        enforce_contract(self.precision_family, name, device_type=device_type, compression=self.compression)
+        enforce_contract(self.precision_rules, name, device_type=device_type, compression=self.compression)
         return fsdp2_precision_plugin(name, device_type)
 
     def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:

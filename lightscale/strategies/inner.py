@@ -21,13 +21,14 @@ from torch.distributed import ProcessGroup
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.parallelize import ParallelizeOptions
+from lightscale.plugins.precision_contract import PrecisionRules
 
 
 @runtime_checkable
 class InnerStrategy(Protocol):
     """What a strategy answers to run inside a DiLoCo worker."""
 
-    precision_family: str | None
+    precision_rules: PrecisionRules | None  # the worker's precision contract (inner_precision enforces it)
 
     @property
     def shards_parameters(self) -> bool:

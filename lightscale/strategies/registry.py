@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.plan import Plannable
 from lightscale.patches.lightning import check_strategy_names
+from lightscale.plugins.precision_contract import PrecisionRules
 from lightscale.strategies.base import REGISTERED, LightscaleStrategy
 
 
@@ -46,18 +47,25 @@ def strategy_table() -> list[tuple[str, str]]:
     return [(name, description) for cls in REGISTERED for name, (description, _) in cls.__dict__["aliases"].items()]
 
 
-def family_members() -> dict[str, list[str]]:
-    """The names of each precision family (``precision_contract.render_table`` shows them)."""
-    members: dict[str, list[str]] = {}
+def family_members() -> dict[PrecisionRules, list[str]]:
+    """The names under each precision family's rules, in registration order (``precision_contract.render_table``
+    shows them): a class that inherits or borrows another's rules (a user's subclass, DiLoCo) joins its family."""
+    members: dict[PrecisionRules, list[str]] = {}
     for cls in REGISTERED:
-        if cls.precision_family is not None:
-            members.setdefault(cls.precision_family, []).extend(cls.__dict__["aliases"])
+        if cls.precision_rules is not None:
+            members.setdefault(cls.precision_rules, []).extend(cls.__dict__["aliases"])
     return members
 
 
 def plan_candidates() -> list[Plannable]:
     """What ``fit_memory`` and ``lightscale plan`` may choose, in registration order (least communication first)."""
     return [option for cls in REGISTERED for option in cls.__dict__.get("plannable", ())]
+
+
+def memory_alternatives() -> list[tuple[str, str | None]]:
+    """What an out-of-memory report proposes, (name, activation checkpointing), in registration order (least
+    communication first), as each class declares it (``memory_alternatives``)."""
+    return [option for cls in REGISTERED for option in cls.__dict__.get("memory_alternatives", ())]
 
 
 def check_strategy(strategy: str | Strategy) -> None:

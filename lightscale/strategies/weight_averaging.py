@@ -46,15 +46,18 @@ from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
 from lightscale.checkpoint.portable import read_checkpoint
 from lightscale.patches.lightning import give_weight_averaging, weight_averaging_settings
 from lightscale.runtime.collectives import all_gather_single
-from lightscale.zero.partition import full_numel, full_shape, is_partitioned
 
 
 class HoldsShards(Protocol):
-    """What the average asks of the strategy (lightscale/strategies/base.py; ZeRO answers in strategies/zero.py)."""
+    """What the average asks of the strategy (lightscale/strategies/shards.py; ZeRO answers in strategies/zero.py)."""
 
     def local_shard(self, tensor: Tensor) -> Tensor: ...
 
     def after_local_write(self, module: nn.Module) -> None: ...
+
+    def is_flat_slice(self, tensor: Tensor) -> bool: ...
+
+    def global_shape(self, tensor: Tensor) -> torch.Size: ...
 
 
 def local_shards(module: nn.Module, holder: HoldsShards, *, buffers: bool = True) -> dict[str, Tensor]:
@@ -129,9 +132,9 @@ def portable_average(average: ShardAverage, module: nn.Module) -> dict[str, Tens
             out[name] = DTensor.from_local(
                 shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
             )
-        elif is_partitioned(live):
+        elif average.holder.is_flat_slice(live):
             if id(live) not in gathered:  # collective: every rank, in the same order; the owner keeps it
-                whole = _gather_partition(shard, live)
+                whole = _gather_slices(shard, average.holder.global_shape(live))
                 gathered[id(live)] = whole if index % dist.get_world_size() == dist.get_rank() else None
             if gathered[id(live)] is not None:
                 out[name] = gathered[id(live)]
@@ -144,10 +147,10 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def _gather_partition(shard: Tensor, param: Tensor) -> Tensor:
+def _gather_slices(shard: Tensor, shape: torch.Size) -> Tensor:
     gathered = shard.new_empty(shard.numel() * dist.get_world_size())
     all_gather_single(gathered, shard.contiguous())
-    return gathered[: full_numel(param)].view(full_shape(param)).cpu().clone()
+    return gathered[: shape.numel()].view(shape).cpu().clone()
 
 
 def load_portable_average(average: ShardAverage, module: nn.Module, read: Callable[[dict], None]) -> None:
@@ -165,13 +168,13 @@ def load_portable_average(average: ShardAverage, module: nn.Module, read: Callab
             template[name] = DTensor.from_local(
                 shard, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
             )
-        elif is_partitioned(live):
+        elif average.holder.is_flat_slice(live):
             partitions.append((name, shard, live))
         else:
             template[name] = shard
     read({"averaged": template})
     for name, shard, live in partitions:
-        whole = torch.empty(full_shape(live), dtype=shard.dtype)
+        whole = torch.empty(average.holder.global_shape(live), dtype=shard.dtype)
         read({"averaged": {name: whole}})
         start = dist.get_rank() * shard.numel()
         piece = whole.reshape(-1)[start : start + shard.numel()]

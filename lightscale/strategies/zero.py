@@ -9,6 +9,7 @@ boundary is), LR schedulers (stepped per optimizer step, as under every other st
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -34,7 +35,14 @@ from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
 from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract, refuse_impossible
+from lightscale.plugins.precision_contract import (
+    Compression,
+    PrecisionRules,
+    check_compression,
+    enforce_contract,
+    float8_refused,
+    refuse_impossible,
+)
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.urls import refuse_remote
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
@@ -65,8 +73,18 @@ from lightscale.zero.engine import (
     require_deepspeed,
     silence_deepspeed_noise,
 )
-from lightscale.zero.partition import flat_groups, is_partitioned, partition, regather_persistent
+from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
+from lightscale.zero.partition import (
+    flat_groups,
+    full_numel,
+    full_shape,
+    is_partitioned,
+    partition,
+    regather_persistent,
+    stored_tensors,
+)
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
+from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -100,7 +118,10 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
-    precision_family = "zero"
+    # DeepSpeed's engines: their own meaning of every precision but float8 (lightscale/zero/precision.py).
+    precision_rules = PrecisionRules(
+        "zero", meanings=DEEPSPEED_MEANINGS, refused={("16-mixed", "cpu"): FP16_NEEDS_CUDA, **float8_refused(NO_FLOAT8)}
+    )
     aliases = {
         "zero1": ("ZeRO-1 on DeepSpeed: optimizer state sharded", {"stage": 1}),
         "zero2": ("ZeRO-2 on DeepSpeed: optimizer state and gradients sharded", {"stage": 2}),
@@ -121,6 +142,7 @@ class ZeroStrategy(LightscaleStrategy):
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
     )
+    memory_alternatives = (("zero2", None), ("zero3", None))
 
     @classmethod
     @override
@@ -141,6 +163,33 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def after_local_write(self, module: nn.Module) -> None:
         regather_persistent(list(module.parameters()))
+
+    @override
+    def global_shape(self, tensor: torch.Tensor) -> torch.Size:
+        return full_shape(tensor) if is_partitioned(tensor) else super().global_shape(tensor)
+
+    @override
+    def global_numel(self, tensor: torch.Tensor) -> int:
+        return full_numel(tensor) if is_partitioned(tensor) else super().global_numel(tensor)
+
+    @override
+    def is_flat_slice(self, tensor: torch.Tensor) -> bool:
+        return is_partitioned(tensor)
+
+    @override
+    def parameter_tensors(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """The partition, and the whole data while a ZeRO-3 parameter is gathered (persistent ones always are)."""
+        return stored_tensors(param) if is_partitioned(param) else super().parameter_tensors(param)
+
+    @override
+    def optimizer_gradient_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        return gradient_partitions(optimizer)
+
+    @override
+    def optimizer_state_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        """The fp32 master partitions, then the wrapped torch optimizer's state."""
+        yield from master_partitions(optimizer)
+        yield from super().optimizer_state_tensors(optimizer)
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
@@ -178,7 +227,7 @@ class ZeroStrategy(LightscaleStrategy):
     ) -> None:
         require_deepspeed()
         super().__init__(checkpoint_format=checkpoint_format, **kwargs)
-        check_compression(compression, self.precision_family)
+        check_compression(compression, self.precision_rules)
         self.compression = compression
         self._group_names: list[list[str]] = []
         zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
@@ -232,7 +281,7 @@ class ZeroStrategy(LightscaleStrategy):
         self.precision_plugin = DeepSpeedPrecision(precision_name(self.precision_plugin))
         self._check_trainer(trainer, self.precision_plugin.precision)
         enforce_contract(
-            self.precision_family,
+            self.precision_rules,
             self.precision_plugin.precision,
             device_type=self.root_device.type,
             compression=self.compression,
@@ -288,7 +337,7 @@ class ZeroStrategy(LightscaleStrategy):
                 "by norm only; use gradient_clip_algorithm='norm'."
             )
         refuse_impossible(
-            self.precision_family, precision, device_type=self.root_device.type, compression=self.compression
+            self.precision_rules, precision, device_type=self.root_device.type, compression=self.compression
         )
 
     def _resolved_options(self, trainer: Trainer) -> ZeroOptions:

@@ -42,6 +42,27 @@ def full_numel(tensor: Tensor) -> int:
     return int(tensor.ds_numel)  # type: ignore[attr-defined]
 
 
+def stored_tensors(tensor: Tensor) -> list[Tensor]:
+    """Every tensor this rank stores for a ZeRO-3 parameter: its partition, and the whole data while it is gathered
+    (persistent parameters always are)."""
+    return [partition(tensor), *([tensor.data] if tensor.data.numel() > 0 else [])]
+
+
+def whole_shape(tensor: Tensor) -> torch.Size:
+    """The full shape of a ZeRO-3 parameter, the shape of any other tensor."""
+    return full_shape(tensor) if is_partitioned(tensor) else tensor.shape
+
+
+def whole_numel(tensor: Tensor) -> int:
+    """The full size of a ZeRO-3 parameter, the size of any other tensor."""
+    return full_numel(tensor) if is_partitioned(tensor) else tensor.numel()
+
+
+def master_device(tensor: Tensor) -> torch.device:
+    """Where the optimizer's copy of ``tensor`` lives: its partition's device under ZeRO-3 (offloaded: the host)."""
+    return partition(tensor).device if is_partitioned(tensor) else tensor.device
+
+
 @torch.no_grad()
 def regather_persistent(params: list[Tensor]) -> None:
     """After writing into partitions: gather the persistent parameters again, as DeepSpeed does after a step (they

@@ -29,7 +29,7 @@ import lightscale
 from lightscale.layers.moe import MoE, MoEConfig
 from lightscale.parallel.pipeline import even_stage_split
 from lightscale.plugins.precision_contract import NAMES, PRECISIONS, meaning, refusal
-from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy
+from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, LightscaleStrategy, Parallel3DStrategy
 from lightscale.strategies.zero import ZeroStrategy
 from lightscale.testing import run_distributed
 
@@ -38,22 +38,23 @@ PARITY_STEPS = 20
 PROBE_STEPS = 2
 BF16_TOLERANCE = 2e-2
 FP32_TOLERANCE = 1e-5
-# Strategy name -> (family, data-parallel degree on 2 ranks). tp2 and pp2 have no data-parallel gradient reduction.
-CASES: dict[str, tuple[str, int]] = {
-    "bucketed_ddp": ("bucketed_ddp", 2),
-    "bucketed_ddp_bf16": ("bucketed_ddp", 2),
-    "fsdp2": ("fsdp2", 2),
-    "hsdp": ("fsdp2", 2),
-    "fsdp2_offload": ("fsdp2", 2),
-    "fsdp2_bf16": ("fsdp2", 2),
-    "parallel_3d": ("parallel_3d", 2),
-    "tp2": ("parallel_3d", 1),
-    "pp2": ("parallel_3d", 1),
-    "ep2": ("parallel_3d", 2),  # experts sharded over both ranks, each a data-parallel rank; the model has an MoE
-    "zero1": ("zero", 2),
-    "zero3": ("zero", 2),
-    "zero3_offload": ("zero", 2),
-    "zero2_bf16": ("zero", 2),
+# Strategy name -> (the class whose precision rules apply, data-parallel degree on 2 ranks). tp2 and pp2 have no
+# data-parallel gradient reduction.
+CASES: dict[str, tuple[type[LightscaleStrategy], int]] = {
+    "bucketed_ddp": (BucketedDDPStrategy, 2),
+    "bucketed_ddp_bf16": (BucketedDDPStrategy, 2),
+    "fsdp2": (FSDP2Strategy, 2),
+    "hsdp": (FSDP2Strategy, 2),
+    "fsdp2_offload": (FSDP2Strategy, 2),
+    "fsdp2_bf16": (FSDP2Strategy, 2),
+    "parallel_3d": (Parallel3DStrategy, 2),
+    "tp2": (Parallel3DStrategy, 1),
+    "pp2": (Parallel3DStrategy, 1),
+    "ep2": (Parallel3DStrategy, 2),  # experts sharded over both ranks, each a data-parallel rank; the model has an MoE
+    "zero1": (ZeroStrategy, 2),
+    "zero3": (ZeroStrategy, 2),
+    "zero3_offload": (ZeroStrategy, 2),
+    "zero2_bf16": (ZeroStrategy, 2),
 }
 COMPRESSION = {"bucketed_ddp_bf16": "bf16", "fsdp2_bf16": "bf16", "zero2_bf16": "bf16"}
 LAUNCHES = {
@@ -281,7 +282,7 @@ def _launch(names: list[str]) -> dict[tuple[str, str], Observed]:
     runs = {}
     for name in names:
         for precision in PRECISIONS:
-            if refusal(CASES[name][0], precision, "cpu") is None:
+            if refusal(CASES[name][0].precision_rules, precision, "cpu") is None:
                 runs[name, precision] = _fit(name, precision, _steps(precision))
     return runs
 
@@ -297,8 +298,8 @@ def one_process() -> dict[tuple[str, str], list[float]]:
 
 
 def _mismatches(name: str, precision: str, seen: Observed) -> list[str]:
-    family, dp = CASES[name]
-    want = meaning(family, precision, compression=COMPRESSION.get(name, "none"))  # type: ignore[arg-type]
+    cls, dp = CASES[name]
+    want = meaning(cls.precision_rules, precision, compression=COMPRESSION.get(name, "none"))
     checks = {
         "params": (seen.params, {want.params}),
         "compute": (seen.compute, {want.compute}),

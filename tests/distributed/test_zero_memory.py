@@ -48,14 +48,14 @@ class MeasureAtStep(pl.Callback):
             return
 
         def measured_reduce(*args: Any, **kwargs: Any) -> Any:
-            self.before_reduction.append(model_state_bytes(pl_module).gradients)
+            self.before_reduction.append(model_state_bytes(pl_module, strategy=trainer.strategy).gradients)
             return reduce(*args, **kwargs)
 
         optimizer.reduce_gradients = measured_reduce
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if trainer.global_step == 2:
-            self.at_step = vars(model_state_bytes(pl_module, trainer.optimizers))
+            self.at_step = vars(model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy))
 
 
 def _measure(stage: int, world_size: int, cache_dir: str) -> tuple[dict[str, int], list[int]]:

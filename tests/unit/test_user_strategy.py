@@ -69,14 +69,15 @@ def test_planned_when_declared_plannable(user_strategy: type[BucketedDDPStrategy
 
 
 def test_member_of_its_parents_precision_family(user_strategy: type[BucketedDDPStrategy]) -> None:
-    assert user_strategy.precision_family == "bucketed_ddp"
+    rules = BucketedDDPStrategy.precision_rules
+    assert user_strategy.precision_rules is rules and rules is not None and rules.family == "bucketed_ddp"
     diloco = ["diloco", "streaming_diloco", "local_sgd"]  # bucketed_ddp inside each worker by default
-    assert family_members()["bucketed_ddp"] == [
+    assert family_members()[rules] == [
         "bucketed_ddp",
         "bucketed_ddp_bf16",
         "bucketed_ddp_powersgd",
         *diloco,
         NAME,
     ]
-    listed = ", ".join(f"`{name}`" for name in family_members()["bucketed_ddp"])
+    listed = ", ".join(f"`{name}`" for name in family_members()[rules])
     assert f"| bucketed_ddp | {listed} |" in render_table(family_members())

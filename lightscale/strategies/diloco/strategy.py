@@ -68,8 +68,13 @@ from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.inner import InnerStrategy
 from lightscale.strategies.weight_averaging import drop_average
 
-Inner = Literal["bucketed_ddp", "fsdp2"]
-INNERS: tuple[str, ...] = ("bucketed_ddp", "fsdp2")
+# inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
+INNER_CLASSES: dict[str, type[BucketedDDPStrategy | FSDP2Strategy]] = {
+    cls.default_name(): cls for cls in (BucketedDDPStrategy, FSDP2Strategy)
+}
+INNERS: tuple[str, ...] = tuple(INNER_CLASSES)
+DEFAULT_INNER = BucketedDDPStrategy.default_name()
+Inner = Literal[INNERS]  # type: ignore[valid-type]  # the names, for jsonargparse
 
 
 class DiLoCoStrategy(LightscaleStrategy):
@@ -104,7 +109,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         >>> Trainer(strategy=DiLoCoStrategy(workers=4, sync_every=50, compression="int8"), devices=8)
     """
 
-    precision_family = "bucketed_ddp"  # the default inner's column; inner="fsdp2" is checked against fsdp2's
+    # The default inner's rules, for the checks made before an instance exists (lightscale.Trainer's); a worker runs
+    # its inner strategy's own contract (inner_precision).
+    precision_rules = BucketedDDPStrategy.precision_rules
     aliases = {
         "diloco": ("DiLoCo: workers sync every H=100 steps, outer Nesterov SGD on the mean pseudo-gradient", {}),
         "streaming_diloco": (
@@ -121,7 +128,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @classmethod
     @override
     def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
-        return inner_strategy(init_params.get("inner", "bucketed_ddp")).optimizer_parameter_view()
+        return inner_strategy(init_params.get("inner", DEFAULT_INNER)).optimizer_parameter_view()
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
@@ -131,7 +138,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         self,
         *,
         workers: int | None = None,
-        inner: Inner | InnerStrategy = "bucketed_ddp",
+        inner: Inner | InnerStrategy = DEFAULT_INNER,
         sync_every: int = 100,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -478,8 +485,8 @@ def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
 def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
     """The inner strategy object: a name builds it with its defaults; an object is used as given (its own settings:
     bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype), refused where it cannot nest."""
-    if isinstance(inner, str) and inner in INNERS:
-        return BucketedDDPStrategy() if inner == "bucketed_ddp" else FSDP2Strategy()
+    if isinstance(inner, str) and inner in INNER_CLASSES:
+        return INNER_CLASSES[inner]()
     if not isinstance(inner, BucketedDDPStrategy | FSDP2Strategy):
         raise ConfigurationError(
             f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a "

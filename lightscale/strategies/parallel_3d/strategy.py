@@ -50,7 +50,14 @@ from lightscale.parallel.pipeline import (
 )
 from lightscale.parallel.pipeline_runtime import Pipeline
 from lightscale.plugins.fsdp_precision import float8_options, parallel_3d_precision_plugin, precision_name
-from lightscale.plugins.precision_contract import Compression, check_compression, enforce_contract
+from lightscale.plugins.precision_contract import (
+    FLOAT8_CPU,
+    Compression,
+    PrecisionRules,
+    check_compression,
+    enforce_contract,
+    float8_refused,
+)
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
@@ -97,7 +104,16 @@ class Parallel3DStrategy(LightscaleStrategy):
         >>> Trainer(strategy=Parallel3DStrategy(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4), devices=8)
     """
 
-    precision_family = "parallel_3d"
+    # The standard meanings: FSDP's policy where FSDP shards the whole module, else autocast (a scaler on all ranks).
+    precision_rules = PrecisionRules(
+        "parallel_3d",
+        how={
+            "bf16-mixed": "as fsdp2 when FSDP shards the whole module (dp or ep > 1, no pipeline); else bf16 autocast",
+            "16-mixed": "as fsdp2 when FSDP shards the whole module; else fp16 autocast + ShardedGradScaler "
+            "(all ranks; under a pipeline each microbatch loss is scaled inside the schedule)",
+        },
+        refused=float8_refused(FLOAT8_CPU, devices=("cpu",)),
+    )
     parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
     aliases = {
         "parallel_3d": ("dp x tp x pp: FSDP2 + tensor parallel + pipeline (here all dp)", {}),
@@ -182,7 +198,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     ) -> None:
         super().__init__(**kwargs)
         check_ac_mode(activation_checkpointing)
-        check_compression(compression, self.precision_family)
+        check_compression(compression, self.precision_rules)
         self.compression = compression
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
@@ -350,7 +366,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         name = precision_name(plugin)
         emulate = bool(float8 := float8_options(plugin)) and float8.emulate
         device, compression = self.root_device.type, self.compression
-        enforce_contract(self.precision_family, name, device_type=device, compression=compression, emulate=emulate)
+        enforce_contract(self.precision_rules, name, device_type=device, compression=compression, emulate=emulate)
         if self.compression != "none" and self.dims.fsdp_size == 1:
             rank_zero_warn(f"compression={self.compression!r} has no effect: dp = ep = cp = 1, no gradient is reduced.")
         # FSDP casts per unit (MixedPrecisionPolicy) exactly as under fsdp2 when it wraps the whole module; clipping

@@ -1,0 +1,64 @@
+"""Writing whole tensors into a ZeRO engine, one parameter at a time: what lightscale/checkpoint/zero_load.py calls
+to fill an engine from the portable layout (the save side: lightscale/zero/portable.py).
+
+DeepSpeed's own helpers write a full fp32 weight or optimizer state into this rank's partition
+(``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``); a ZeRO-3 working partition is rewritten from rank
+0's copy inside ``GatheredParameters``; ZeRO-1/2 refresh their working copies from the masters once at the end.
+
+Example:
+    >>> set_full_weight(param, torch.zeros(param.ds_shape), zero)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightscale.zero.partition import master_device
+from lightscale.zero.portable import _flat_partitions, _rank
+
+
+def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
+    """Write the whole ``value`` into ``param``: its fp32 master (``zero``: the engine's optimizer, if any) and its
+    working copy (ZeRO-1/2's are refreshed from the masters by :func:`refresh_working_copies`)."""
+    from deepspeed.utils import safe_set_full_fp32_param  # DeepSpeed is an extra: imported where it is used
+
+    if zero is not None and param.requires_grad:
+        safe_set_full_fp32_param(param, value.to(master_device(param)))
+    if hasattr(param, "ds_id"):  # ZeRO-3: the working partition, rewritten from rank 0's copy
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            if _rank() == 0:
+                param.data.copy_(value)
+    elif zero is None or not param.requires_grad:
+        with torch.no_grad():
+            param.data.copy_(value)  # ZeRO-1/2 working copies are refreshed from the masters after all batches
+
+
+def set_full_state(param: nn.Parameter, state: dict[str, Tensor]) -> None:
+    """Write whole per-element optimizer states (``exp_avg``...) into ``param``'s partition of them."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    for key, value in state.items():
+        safe_set_full_optimizer_state(param, value.to(master_device(param)), key)
+
+
+def refresh_working_copies(zero: Any) -> None:
+    """ZeRO-1/2: copy the masters into the bit16 partitions and all-gather them (ZeRO-3 wrote its own above)."""
+    if hasattr(zero, "update_lp_params"):
+        zero.update_lp_params()
+
+
+def set_scalars(zero: Any, scalars: dict[str, Tensor]) -> None:
+    """Each scalar state of every flat partition, in the type the optimizer keeps it (tensor or Python number)."""
+    inner = zero.optimizer
+    for flat in _flat_partitions(zero):
+        state = inner.state[flat]
+        for key, value in scalars.items():
+            live = state[key]  # each partition its own tensor: optimizers count steps in place
+            state[key] = (
+                value.to(live.device, live.dtype).clone() if torch.is_tensor(live) else type(live)(value.item())
+            )
