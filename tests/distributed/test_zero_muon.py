@@ -62,9 +62,10 @@ class MLP(pl.LightningModule):
         return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.groups:  # one group per matrix, the second at half the rate
+        if self.groups:  # one group per matrix, the second at half the rate; a schedule halving both every 2 steps
             groups = [{"params": [self.up.weight]}, {"params": [self.down.weight], "lr": LR / 2}]
-            return torch.optim.Muon(groups, lr=LR)
+            optimizer = torch.optim.Muon(groups, lr=LR)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
         return torch.optim.Muon(self.parameters(), lr=LR)
 
 
@@ -76,11 +77,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def reference(groups: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     module = MLP(groups)
-    optimizer = module.configure_optimizers()
-    for _ in range(STEPS):
+    configured = module.configure_optimizers()
+    optimizer = configured["optimizer"] if groups else configured
+    for _ in range(STEPS):  # one batch per epoch: Lightning steps the scheduler after every step
         module.training_step(_batch(), 0).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if groups:
+            configured["lr_scheduler"].step()
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
@@ -233,8 +237,8 @@ def test_bucketed_ddp_resumes_zero2s_checkpoint_with_torchs_muon(ranks: list[dic
 
 
 def test_parameter_groups_each_stepped_with_their_own_rate(ranks: list[dict[str, Any]]) -> None:
-    """One flat partition per group (ZeRO-1/2): up.weight split 60 + 60, down.weight 30 + 30; the owners take turns
-    across the groups within a step (rank 0, then rank 1)."""
+    """One flat partition per group (ZeRO-1/2), each at its own rate and the LR schedule followed: up.weight split
+    60 + 60, down.weight 30 + 30; the owners take turns across the groups within a step (rank 0, then rank 1)."""
     expected = reference(groups=True)
     step = [("gather", 120, 0), ("scatter", 120, 0), ("gather", 60, 1), ("scatter", 60, 1)]
     for result in ranks:
