@@ -66,6 +66,7 @@ from lightscale.zero.engine import (
     EngineRoot,
     check_async_io,
     check_zero_optimizer,
+    explain_partitioned_shapes,
     host_optimizer,
     not_a_boundary,
     rebind_scheduler,
@@ -355,7 +356,8 @@ class ZeroStrategy(LightscaleStrategy):
     def _optimizer_and_scheduler(
         self, module: LightningModule
     ) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        with explain_partitioned_shapes(module):  # ZeRO-3 parameters built in configure_model show shape (0,)
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         if len(optimizers) != 1 or len(schedulers) > 1:
             raise ConfigurationError(
                 f"The ZeRO strategies need exactly one optimizer and at most one LR scheduler; configure_optimizers "

@@ -320,6 +320,25 @@ def _adafactor_under_zero():
     _zero(stage=2)._optimizer_and_scheduler(module)
 
 
+def _muon_on_zero3_partitioned():
+    """torch's Muon built in configure_optimizers over ZeRO-3 parameters already partitioned (built in configure_model
+    under deepspeed.zero.Init: shape (0,), the partition kept beside it), as ZeRO's set-up calls it."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(0))
+            self.weight.ds_tensor = torch.zeros(8)  # what ZeRO-3 keeps (lightscale/zero/partition.py)
+
+        def configure_optimizers(self):
+            return torch.optim.Muon(self.parameters())
+
+    module = Module()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    _zero(stage=3)._optimizer_and_scheduler(module)
+
+
 def _shape_dependent_under(name: str, optimizer: str):
     """An optimizer whose step reads a parameter's shape, under the strategy ``name`` with its defaults (at setup)."""
     from lightning.pytorch.strategies import StrategyRegistry
@@ -829,6 +848,10 @@ CATALOGUE: list[tuple] = [
      lambda: _shape_dependent_under("zero_infinity", "muon"), CE,
      r"torch.optim.Muon cannot run under ZeroStrategy.*swap to NVMe files.*runs exactly under: "
      r".*zero3_offload.*fsdp2"),
+    ("optimizer-partitioned-shapes", "configure_optimizers failing under zero3 on parameters built in configure_model, "
+     "which are partitioned (shape (0,)) while it runs: torch's Muon refuses them when built (at setup)",
+     _muon_on_zero3_partitioned, CE,
+     r"configure_optimizers failed under ZeRO-3 \(ValueError: Muon only supports 2D.*Build those layers in __init__"),
     ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
      "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
      r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),
