@@ -6,11 +6,11 @@ Example:
 """
 
 from lightscale import moved
-from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.strategies.registry import check_strategy_in_lightning, register_strategies, strategy_table
+from lightscale.strategies.lightning_patches import patch_lightning
+from lightscale.strategies.registry import register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -20,12 +20,11 @@ __all__ = [
     "Trainer",
     "__version__",
     "data_shard",
+    "patch_lightning",
     "register_strategies",
     "strategy_table",
     "streams",
 ]
 
 moved.install()  # old module paths keep importing for a release (lightscale/moved.py)
-register_strategies()
-check_strategy_in_lightning()
-install_lightning_loading()  # Lightning's loaders read lightscale checkpoint directories (checkpoint/lightning_load.py)
+register_strategies()  # in Lightning's public StrategyRegistry; no patch on import (strategies/lightning_patches.py)

@@ -25,6 +25,7 @@ from lightscale.plugins.precision import (
 from lightscale.resume import check_resume, checkpoint_dir, resolve_resume
 from lightscale.storage.urls import RemotePath
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.strategies.registry import check_strategy, register_strategies
 
 
@@ -47,6 +48,7 @@ class Trainer(LightningTrainer):
     ) -> None:
         # ``precision`` is named here so the CLI accepts lightscale's names Lightning's type does not list (float8).
         kwargs["precision"] = precision
+        patch_lightning()  # before Lightning parses its arguments (lightscale/strategies/lightning_patches.py)
         check_resume(resume)
         ignore_lightning_pytree_deprecation()
         register_strategies()

@@ -1,5 +1,7 @@
 """The one hook into Lightning's checkpoint loading: a lightscale checkpoint *directory* loads where Lightning
-expects a file, in one plain process (``import lightscale`` installs it; no process group needed).
+expects a file, in one plain process (``lightscale.patch_lightning()`` installs it, as does every lightscale
+strategy and ``lightscale.Trainer``; never an import: lightscale/strategies/lightning_patches.py; no process group
+needed).
 
 Lightning reads every checkpoint file through one function, ``lightning.fabric.utilities.cloud_io._load``, bound by
 name in two modules: ``lightning.pytorch.core.saving`` (``Model.load_from_checkpoint``) and
@@ -23,7 +25,8 @@ Lightning's strategies, which lightscale does not own. Tested against the instal
 them).
 
 Example:
-    >>> import lightscale  # installs the hook
+    >>> import lightscale
+    >>> lightscale.patch_lightning()  # installs the hook (once per process)
     >>> model = MyModel.load_from_checkpoint("checkpoints/last.ckpt")  # a directory written by fsdp2
 """
 
@@ -75,5 +78,5 @@ def _check(strategy: Strategy, checkpoint: Any) -> None:
 
 
 def install_lightning_loading() -> None:
-    """Install the hooks (idempotent; ``import lightscale`` calls it). The rebinding: patches/lightning.py."""
+    """Install the hooks (idempotent; lightscale.patch_lightning() calls it). The rebinding: patches/lightning.py."""
     route_checkpoint_loading(lambda original, optimizer: _loader(original, optimizer=optimizer), _check)

@@ -16,6 +16,7 @@ import lightning.fabric.plugins.io.torch_io as torch_io
 import lightning.pytorch.core.saving as saving
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
@@ -108,6 +109,22 @@ PATCHES = [
         ),
         attributes=("lightning.pytorch.trainer.trainer:Trainer", ("_results",)),
     ),
+    Patch(
+        "Trainer._accelerator_connector.strategy",
+        "instance",
+        "fit_memory chooses its strategy at connect, when the model is first known, after Lightning built fit_memory "
+        "from the name; the Trainer holds the chosen strategy object from then on (Trainer.strategy has no setter)",
+        "a Trainer.strategy setter, or a Strategy.connect that may return the strategy to use",
+        attributes=("lightning.pytorch.trainer.trainer:Trainer", ("_accelerator_connector",)),
+    ),
+    Patch(
+        "ParallelStrategy._layer_sync, Strategy._launcher (fit_memory's chosen strategy)",
+        "instance",
+        "the chosen strategy keeps sync_batchnorm's layer sync and the launcher that started this run (rank 0's holds "
+        "the other ranks' processes, which it stops on Ctrl-C); neither has a public setter",
+        "public setters for layer_sync and launcher, as accelerator and precision_plugin have",
+        attributes=("lightning.pytorch.strategies.parallel:ParallelStrategy", ("_layer_sync", "_launcher")),
+    ),
 ]
 
 
@@ -185,3 +202,11 @@ def logged_values_synced(trainer: Trainer, reduce: Callable[..., Any], group: An
         yield
     finally:
         del results.log  # the method again
+
+
+def hand_over_strategy(trainer: Trainer, connected: ParallelStrategy, chosen: ParallelStrategy) -> None:
+    """``trainer.strategy`` becomes ``chosen``, with ``connected``'s layer sync and launcher (see ``PATCHES``); what
+    has a public setter (accelerator, plugins, devices) the caller gives ``chosen`` itself."""
+    chosen._layer_sync = connected._layer_sync
+    chosen._launcher = connected.launcher
+    trainer._accelerator_connector.strategy = chosen

@@ -55,6 +55,8 @@ from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
+from lightscale.strategies.lightning_patches import patch_lightning
+from lightscale.strategies.names import REGISTERED
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,6 @@ SEVERAL_OPTIMIZERS = (
     "or an FSDP2 name (fsdp2, hsdp, parallel_3d; tested equal to one process); or use one optimizer with a parameter "
     "group per part of the model."
 )
-# Every strategy class that declares aliases, in the order they were defined (lightscale/strategies/registry.py).
-REGISTERED: list[type[LightscaleStrategy]] = []
 
 
 class LightscaleStrategy(CheckpointingStrategy):
@@ -136,6 +136,7 @@ class LightscaleStrategy(CheckpointingStrategy):
         checkpoint_format: str = "dcp",
         check_batches_every: int | None = DEFAULT_EVERY,
     ) -> None:
+        patch_lightning()  # lightscale's Lightning side is in use: its global patches, once (lightning_patches.py)
         check_checkpoint_format(type(self), checkpoint_format)
         check_every(check_batches_every)
         super().__init__(

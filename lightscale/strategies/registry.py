@@ -11,15 +11,23 @@ Example:
 
 from __future__ import annotations
 
-import difflib
+from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
-
-from lightscale.errors import ConfigurationError
 from lightscale.estimate.plan import Plannable
-from lightscale.patches.lightning import check_strategy_names
 from lightscale.plugins.precision_contract import PrecisionRules
-from lightscale.strategies.base import REGISTERED, LightscaleStrategy
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.names import REGISTERED, check_strategy, strategy_table
+
+__all__ = [
+    "check_strategy",
+    "family_members",
+    "memory_alternatives",
+    "plan_candidates",
+    "register_strategies",
+    "strategy_classes",
+    "strategy_table",
+    "unregister_strategy",
+]
 
 
 def strategy_classes() -> tuple[type[LightscaleStrategy], ...]:
@@ -42,11 +50,6 @@ def unregister_strategy(cls: type[LightscaleStrategy]) -> None:
             StrategyRegistry.remove(name)
 
 
-def strategy_table() -> list[tuple[str, str]]:
-    """(name, one-line description) of every lightscale strategy, in registration order."""
-    return [(name, description) for cls in REGISTERED for name, (description, _) in cls.__dict__["aliases"].items()]
-
-
 def family_members() -> dict[PrecisionRules, list[str]]:
     """The names under each precision family's rules, in registration order (``precision_contract.render_table``
     shows them): a class that inherits or borrows another's rules (a user's subclass, DiLoCo) joins its family."""
@@ -66,31 +69,3 @@ def memory_alternatives() -> list[tuple[str, str | None]]:
     """What an out-of-memory report proposes, (name, activation checkpointing), in registration order (least
     communication first), as each class declares it (``memory_alternatives``)."""
     return [option for cls in REGISTERED for option in cls.__dict__.get("memory_alternatives", ())]
-
-
-def check_strategy(strategy: str | Strategy) -> None:
-    """Raise a ValueError naming the closest valid strategy if ``strategy`` is an unknown name."""
-    if not isinstance(strategy, str) or strategy.lower() == "auto" or strategy.lower() in StrategyRegistry:
-        return
-    ours = [name for name, _ in strategy_table()]
-    theirs = sorted(set(StrategyRegistry.available_strategies()) - set(ours))
-    closest = difflib.get_close_matches(strategy.lower(), ["auto", *ours, *theirs], n=1, cutoff=0.5)
-    hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    raise ConfigurationError(
-        f"Unknown strategy {strategy!r}.{hint} lightscale strategies: {', '.join(ours)}. "
-        f"Lightning strategies: auto, {', '.join(theirs)}. Run `lightscale strategies` for descriptions."
-    )
-
-
-def check_strategy_in_lightning() -> None:
-    """Make plain ``lightning.Trainer(strategy=...)`` raise :func:`check_strategy`'s error for an unknown name.
-
-    Lightning's own message lists only its names ("auto, ddp, ddp_spawn, deepspeed, ..."). Its accelerator
-    connector checks the name first thing in ``_check_config_and_set_final_flags``; lightscale runs its check just
-    before, so a known name takes Lightning's path unchanged. Idempotent (runs on ``import lightscale``).
-
-    Example:
-        >>> import lightscale, lightning
-        >>> lightning.Trainer(strategy="zero3_ofload")  # ConfigurationError: ... Did you mean 'zero3_offload'?
-    """
-    check_strategy_names(check_strategy)  # the rebinding and why: lightscale/patches/lightning.py

@@ -40,7 +40,10 @@ from lightscale.cli import main as cli_main
 from lightscale.commands.consolidate import consolidate
 from lightscale.errors import ConfigurationError
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
+from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.testing import run_distributed
+
+patch_lightning()  # this process only loads what the ranks trained, as a user's would (docs/plugins/checkpoint.md)
 
 STEPS, SAVE_AT = 6, 4
 GLOBAL_BATCH = 8
@@ -333,9 +336,10 @@ def test_consolidate_refuses_optimizer_state_it_cannot_give(trained: dict[str, A
     assert not (tmp_path / "out.ckpt").exists()
 
 
-def test_import_installs_the_hook_once() -> None:
+def test_installing_the_hook_again_keeps_one() -> None:
     import lightning.pytorch.core.saving as saving
 
+    install_lightning_loading()  # lightscale.patch_lightning() and every lightscale strategy call it
     before = saving.pl_load
     install_lightning_loading()
     assert saving.pl_load is before

@@ -37,7 +37,10 @@ from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
+from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.testing import RankFailed, run_distributed
+
+patch_lightning()  # this process reads what the ranks saved through Lightning's loaders, as a user's would
 
 BUCKET = "lightscale-test"
 STEPS, SAVED_AT = 6, 3
@@ -140,9 +143,12 @@ def _objects(prefix: str) -> list[str]:
 
 def _load_in_fresh_process(url: str, out: Path, *, with_lightscale: bool) -> dict[str, torch.Tensor]:
     """The weights a process that never trained (and, for a single file, never imported lightscale) reads."""
-    if with_lightscale:  # a directory: Lightning's own classmethod, through the hook `import lightscale` installs
+    if (
+        with_lightscale
+    ):  # a directory: Lightning's own classmethod, through the hook lightscale.patch_lightning() installs
         code = (
             f"import sys, torch; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; "
+            "import lightscale; lightscale.patch_lightning(); "
             "from test_checkpoint_urls import Regressor; "
             f"torch.save(Regressor.load_from_checkpoint({url!r}).state_dict(), {str(out)!r})"
         )

@@ -1,6 +1,7 @@
 """``strategy="fit_memory"`` becomes the strategy the plan chose for its budget (the rows of tests/unit/test_plan.py
 that train on CPU), trains, and the measured memory (MemoryProfiler's tracked states and activations per rank)
-stays under that budget."""
+stays under that budget. The Trainer holds the chosen strategy object from the first hook on; the ``FitMemoryStrategy``
+the user made stays one (its class is never swapped) and names the choice."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import train_tiny_gpt
+from lightning.pytorch import Callback
 
 from lightscale.callbacks import MemoryProfiler
 from lightscale.strategies import FitMemoryStrategy
@@ -22,12 +24,23 @@ RUNS = [
 ]
 
 
+class _StrategyAtSetup(Callback):
+    def setup(self, trainer, pl_module, stage) -> None:  # type: ignore[no-untyped-def]
+        self.strategy = trainer.strategy
+
+
 def _fit(budget: int, cache_dir: str, out_dir: str) -> tuple[str, str, float]:
-    strategy = FitMemoryStrategy(memory_budget=budget)
+    strategy = FitMemoryStrategy(memory_budget=budget, check_batches_every=7)
     profiler = MemoryProfiler(every_n_steps=1, out_dir=out_dir, plot=False)
-    train_tiny_gpt(strategy, devices=2, batch_size=2, max_steps=2, cache_dir=cache_dir, extra_callbacks=[profiler])
-    checkpointing = getattr(strategy, "activation_checkpointing", "none")
-    return type(strategy).__name__, checkpointing, max(record["peak"] for record in profiler.records)
+    at_setup = _StrategyAtSetup()
+    train_tiny_gpt(
+        strategy, devices=2, batch_size=2, max_steps=2, cache_dir=cache_dir, extra_callbacks=[profiler, at_setup]
+    )
+    chosen = strategy.chosen
+    assert type(strategy) is FitMemoryStrategy and at_setup.strategy is chosen  # no class swap: another object
+    assert chosen.check_batches_every == 7 and chosen.launcher is strategy.launcher  # the user's setting, the launcher
+    checkpointing = getattr(chosen, "activation_checkpointing", "none")
+    return type(chosen).__name__, checkpointing, max(record["peak"] for record in profiler.records)
 
 
 @pytest.mark.parametrize(("budget", "expected"), RUNS)

@@ -44,6 +44,8 @@ from lightscale.strategies import (
 )
 from lightscale.testing import run_distributed
 
+lightscale.patch_lightning()  # this process loads what the ranks trained, as a user's would
+
 FAMILIES = {
     "bucketed_ddp": BucketedDDPStrategy,
     "fsdp2": FSDP2Strategy,

@@ -426,7 +426,7 @@ def _precision_section(name):
 def _plain_lightning_strategy(name):
     import lightning
 
-    _lightscale()  # importing lightscale hooks its name check into plain lightning.Trainer
+    _lightscale().patch_lightning()  # lightscale's name check in plain lightning.Trainer (a strategy built does it too)
     lightning.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
 
 
@@ -760,7 +760,7 @@ CATALOGUE: list[tuple] = [
     ("ds-comm-dtype", "DeepSpeed communication_data_type set by hand",
      lambda: _ds_config({"communication_data_type": "fp16"}), CE,
      r"'communication_data_type' is set by lightscale from the strategy's compression"),
-    ("plain-lightning-strategy-name", "unknown strategy name in plain lightning.Trainer after import lightscale",
+    ("plain-lightning-strategy-name", "unknown strategy name in plain lightning.Trainer once lightscale patched it",
      lambda: _plain_lightning_strategy("zero3_ofload"), CE,
      r"Unknown strategy 'zero3_ofload'\. Did you mean 'zero3_offload'\?.*lightscale strategies: .*zero3_offload"),
     ("zero-nvme-not-writable", "ZeroStrategy nvme_path not writable (at construction)",

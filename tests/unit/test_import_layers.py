@@ -1,12 +1,17 @@
 """Dependencies between lightscale's parts run one way: no import cycle between subpackages / top-level modules
 (``lightscale.X``), counting imports inside functions too, and no import of a lightscale module inside a function
 (an import hidden in a function to dodge a cycle means the layers are wrong). Third-party imports are ignored:
-optional ones may stay lazy."""
+optional ones may stay lazy. And importing lightscale (or any of its modules) installs no Lightning patch."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
 
@@ -180,3 +185,67 @@ def test_only_mesh_py_indexes_mesh_axes() -> None:
             if name.endswith("mesh"):
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(node)}")
     assert not found, "mesh axes indexed outside parallel/mesh.py:\n" + "\n".join(found)
+
+
+# ---- importing installs no Lightning patch (lightscale/strategies/lightning_patches.py) ---------------------------
+_PATCHED = """
+import importlib, json, sys
+from lightning.fabric.utilities import cloud_io
+import lightning.fabric.plugins.io.torch_io as torch_io
+import lightning.pytorch.core.saving as saving
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+def lightnings(function, file):  # the function Lightning defines, not a wrapper of it
+    return not hasattr(function, "__wrapped__") and function.__code__.co_filename.endswith(file)
+
+def patched():
+    return sorted(name for name, own in [
+        ("core.saving.pl_load", saving.pl_load is cloud_io._load),
+        ("torch_io.pl_load", torch_io.pl_load is cloud_io._load),
+        ("Strategy.load_optimizer_state_dict",
+         lightnings(Strategy.load_optimizer_state_dict, "strategies/strategy.py")),
+        ("_AcceleratorConnector._check_config_and_set_final_flags",
+         lightnings(_AcceleratorConnector._check_config_and_set_final_flags, "accelerator_connector.py")),
+    ] if not own)
+
+seen = {}
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+    seen[module] = patched()
+import lightning
+import lightscale
+from lightscale.strategies import FSDP2Strategy
+seen["import lightscale"] = patched()
+{use}
+seen["used"] = patched()
+try:
+    lightning.Trainer(strategy="zero3_ofload", accelerator="cpu", devices=1, logger=False)
+except ValueError as error:
+    seen["typo"] = str(error)
+print(json.dumps(seen))
+"""
+_USES = {
+    "name": 'lightning.Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False)',
+    "instance": "lightning.Trainer(strategy=FSDP2Strategy(), accelerator='cpu', devices=1, logger=False)",
+}
+
+
+def _patched_after(use: str, *modules: str) -> dict[str, object]:
+    script = _PATCHED.replace("{use}", _USES[use])
+    done = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("use", sorted(_USES))
+def test_importing_installs_no_lightning_patch(use: str) -> None:
+    """A torch-only module, and ``import lightscale`` itself (names registered, a public API), leave Lightning's
+    functions Lightning's; the first lightscale strategy, by name or instance, installs all four patches, in time for
+    the next Trainer's unknown name. (Before: all four installed by ``import lightscale.parallel.mesh``.)"""
+    torch_only = ("lightscale.parallel.mesh", "lightscale.runtime.barrier") if use == "name" else ("lightscale.optim",)
+    seen = _patched_after(use, *torch_only)
+    stages = (*torch_only, "import lightscale")
+    assert {stage: seen[stage] for stage in stages} == {stage: [] for stage in stages}
+    assert len(seen["used"]) == 4, seen["used"]
+    assert "Did you mean 'zero3_offload'?" in str(seen["typo"])
