@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,14 @@ from lightscale.estimate.activations import (
     transformer_activation_bytes,
 )
 from lightscale.estimate.memory_layout import Layout, layout_of
-from lightscale.estimate.model_states import Placed, bytes_per_parameter, model_states, secondary_shard_bytes
+from lightscale.estimate.model_states import (
+    PerParameter,
+    Placed,
+    bytes_per_parameter,
+    model_states,
+    secondary_shard_bytes,
+)
+from lightscale.estimate.optimizer_state import adafactor_state_bytes, is_factored, states_per_element
 from lightscale.estimate.parameters import Numel, own_numel, rank_parameter_split, whole_gradient_elements
 from lightscale.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightscale.parallel.contract import has_hook, sharding_units
@@ -84,6 +91,7 @@ def estimate_memory(
     batch: Any = None,
     activation_checkpointing: str | None = None,
     optimizer_states: int = 2,
+    optimizer: type[torch.optim.Optimizer] | None = None,
     activations: bool = True,
     numel: Numel = own_numel,
 ) -> MemoryEstimate:
@@ -91,17 +99,23 @@ def estimate_memory(
 
     ``module`` may be unbuilt: ``configure_model()`` runs on the meta device. ``batch`` is one example batch (only
     needed when the module declares no ``transformer_shape()``). ``activation_checkpointing`` overrides the
-    strategy's mode; ``optimizer_states`` is 2 for Adam; ``activations=False`` skips them (model states only).
-    ``numel`` gives a parameter's global size: for a live model, the running strategy's ``global_numel``.
+    strategy's mode; ``optimizer_states`` is 2 for Adam; ``optimizer`` (a class) overrides it: Adam/AdamW 2, SGD and
+    Muon 1, Adafactor its factored state (lightscale/estimate/optimizer_state.py); ``activations=False`` skips them
+    (model states only). ``numel`` gives a parameter's global size: for a live model, the running strategy's
+    ``global_numel``.
     """
     layout = strategy if isinstance(strategy, Layout) else layout_of(strategy, world_size=world_size)
     if activation_checkpointing is not None:
         layout = layout.with_(activation_checkpointing=activation_checkpointing)
     build_on_meta(module)
     dense, experts = rank_parameter_split(module, layout, numel=numel)
+    if optimizer is not None:
+        optimizer_states = 0 if is_factored(optimizer) else states_per_element(optimizer, optimizer_states)
     per = bytes_per_parameter(precision, engine=layout.engine, optimizer_states=optimizer_states)
     extra = whole_gradient_elements(module, layout)
     states = model_states(dense, layout, per, extra_gradient_elements=extra, expert_sizes=experts)
+    if is_factored(optimizer):
+        states = replace(states, optimizer=_plus(states.optimizer, _factored_bytes(module, layout, per), layout))
     secondary = secondary_shard_bytes(_unit_shapes(module) if layout.secondary_shard > 1 else [], layout, precision)
     saved, source = 0.0, "not estimated"
     if activations:
@@ -120,6 +134,25 @@ def estimate_memory(
         activation_source=source,
         activation_checkpointing=layout.activation_checkpointing,
     )
+
+
+def _factored_bytes(module: nn.Module, layout: Layout, per: PerParameter) -> int:
+    """Adafactor's factored state per rank: whole parameters, or FSDP2's dimension-0 shards (ShardedAdafactor)."""
+    if layout.engine == "deepspeed" or layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+        raise ValueError(
+            f"Adafactor's factored state is estimated for bucketed_ddp and the FSDP2 family (tp = pp = ep = 1), not "
+            f"{layout.name!r}: ZeRO refuses Adafactor (lightscale/optim/rule.py); tensor, pipeline and expert splits "
+            "are not modelled for it."
+        )
+    shapes = [p.shape for p in module.parameters()]  # each tensor once (tied weights too)
+    dp_shard = layout.dp_shard if layout.shard_optimizer else 1
+    return adafactor_state_bytes(shapes, dp_shard=dp_shard, dtype_bytes=per.parameters)
+
+
+def _plus(placed: Placed, nbytes: int, layout: Layout) -> Placed:
+    if layout.offload_optimizer:
+        return Placed(placed.device, placed.host + nbytes)
+    return Placed(placed.device + nbytes, placed.host)
 
 
 def _unit_shapes(module: nn.Module) -> list[torch.Size]:

@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightscale.optim.adafactor import sharded_adafactor_from
 from lightscale.optim.combined import CombinedOptimizer
+from lightscale.optim.flat_muon import flat_muon_from
 from lightscale.optim.muon import sharded_muon_from
 from lightscale.optim.rule import ParameterView
 from lightscale.patches.torch_internals import track_optimizer_steps
@@ -38,7 +39,8 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
 
 def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> torch.optim.Optimizer:
     """The optimizer that steps ``optimizer``'s math under ``view``: itself, or on DTensor shards ShardedAdafactor for
-    torch's Adafactor and ShardedMuon for torch's Muon (also as parts of a CombinedOptimizer, replaced in place)."""
+    torch's Adafactor and ShardedMuon for torch's Muon (also as parts of a CombinedOptimizer, replaced in place); on
+    ZeRO's flat partitions FlatMuon for torch's Muon."""
     if isinstance(optimizer, CombinedOptimizer):
         optimizer.optimizers = [exact_optimizer(part, view) for part in optimizer.optimizers]
         optimizer.sync_groups()
@@ -47,6 +49,8 @@ def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> to
         return sharded_adafactor_from(optimizer)
     if view == "dtensor" and type(optimizer) is torch.optim.Muon:
         return sharded_muon_from(optimizer)
+    if view == "flat_mapped" and type(optimizer) is torch.optim.Muon:
+        return flat_muon_from(optimizer)
     return optimizer
 
 

@@ -10,6 +10,10 @@ M x N on W ranks, with P = ceil(M / W) rows per shard (padded): one gather and o
 rank. Any other layout (tensor parallel's column shards) is gathered whole on every rank (``full_tensor``) and
 orthogonalized there: exact, redundant. State: torch's ``momentum_buffer``, placed like the parameter.
 
+The owner's gather, iteration and scatter (:func:`orthogonalize_splits`, on :class:`Split` pieces in rank order) are
+shared with FlatMuon (lightscale/optim/flat_muon.py), whose pieces are runs of the flattened matrix in ZeRO's
+partitions; the iteration is torch's own function.
+
 Example:
     >>> optimizer = sharded_muon_from(torch.optim.Muon(matrices, lr=0.02))
 """
@@ -17,11 +21,13 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
+from torch.optim._muon import _zeropower_via_newtonschulz as zeropower_via_newtonschulz
 
 from lightscale.optim.closure import closure_loss
 from lightscale.optim.shard_sums import ShardLayout, layout_of, like_layout, local, local_grad
@@ -67,60 +73,104 @@ class ShardedMuon(torch.optim.Muon):
 def orthogonalize_sharded(
     params: list[torch.Tensor], updates: list[torch.Tensor], *, coefficients: tuple, steps: int, eps: float
 ) -> list[torch.Tensor]:
-    """Each parameter's local rows of Newton-Schulz(update) of the whole matrix (bf16), computed once per matrix:
-    every gather is posted first, then each owner orthogonalizes, then every scatter is posted."""
+    """Each parameter's local rows of Newton-Schulz(update) of the whole matrix (bf16), computed once per matrix."""
     out: list[torch.Tensor | None] = [None] * len(params)
-    gathers: dict[int, _Gather] = {}
-    turns: dict[Any, int] = {}
+    splits: dict[int, Split] = {}
     for index, (param, update) in enumerate(zip(params, updates, strict=True)):
         layout = layout_of(param)
         group = _row_group(layout)
         if group is None:  # no split, or not rows over one mesh dimension: whole on every rank
             out[index] = _whole_then_local(update, layout, coefficients, steps, eps)
             continue
-        owner = turns.get(group, 0) % dist.get_world_size(group)  # round-robin over the group's ranks
-        turns[group] = owner + 1
-        gathers[index] = _Gather(update, layout.shape[0], group, owner)
-    scatters = {}
-    for index, gather in gathers.items():
-        whole = gather.wait()
-        result = newton_schulz(whole, coefficients, steps, eps) if whole is not None else None
-        scatters[index] = _Scatter(result, gather)
-    for index, scatter in scatters.items():
-        out[index] = scatter.wait()
+        splits[index] = Split(update, _row_sizes(layout.shape[0], dist.get_world_size(group)), layout.shape, group)
+    done = orthogonalize_splits(list(splits.values()), coefficients=coefficients, steps=steps, eps=eps)
+    for index, result in zip(splits, done, strict=True):
+        out[index] = result
     return out  # type: ignore[return-value]
 
 
-class _Gather:
-    """This rank's rows (bf16, padded to ceil(M / W)) posted to the owner; the owner's ``wait`` returns the matrix."""
+@dataclass(frozen=True)
+class Split:
+    """A matrix split over a process group's ranks along the first dimension of ``local``: rows (DTensor's Shard(0))
+    or elements of the flattened matrix (ZeRO's flat partitions). Concatenating the ranks' pieces in rank order and
+    viewing the result as ``shape`` gives the matrix."""
 
-    def __init__(self, update: torch.Tensor, rows: int, group: Any, owner: int) -> None:
-        self.group, self.owner, self.ranks = group, owner, dist.get_world_size(group)
-        self.sizes = _row_sizes(rows, self.ranks)
-        self.padded_rows = math.ceil(rows / self.ranks)
-        padded = _padded(update, self.padded_rows)
-        self.is_owner = dist.get_rank(group) == owner
+    local: torch.Tensor  # this rank's piece (bf16), ``sizes[rank]`` long in its first dimension
+    sizes: list[int]  # each rank's piece length, in group rank order
+    shape: torch.Size  # the whole matrix
+    group: Any  # the process group
+
+
+def orthogonalize_splits(
+    splits: list[Split], *, coefficients: tuple, steps: int, eps: float, turns: dict[Any, int] | None = None
+) -> list[torch.Tensor]:
+    """This rank's piece of Newton-Schulz(matrix) for each split matrix, computed once per matrix by an owner rank.
+
+    A matrix held whole by one rank is orthogonalized there, without communication. Every other matrix gets an owner
+    (the group's ranks take turns, round-robin), which gathers the pieces, runs the iteration exactly as one process
+    and scatters the pieces back: every gather is posted first, then each owner orthogonalizes, then every scatter is
+    posted. Per matrix on W ranks: one gather and one scatter of max(sizes) elements per rank (pieces padded).
+    ``turns`` (per process group, the next owner) carries the turns over calls: DeepSpeed steps one group at a time.
+    """
+    turns = {} if turns is None else turns
+    pending: list[_Gather | torch.Tensor] = []
+    for split in splits:
+        holders = [rank for rank, size in enumerate(split.sizes) if size > 0]
+        if len(holders) == 1:  # whole on one rank (or an empty matrix): nothing to move
+            pending.append(_alone(split, holders, coefficients, steps, eps))
+            continue
+        owner = turns.get(split.group, 0) % dist.get_world_size(split.group)
+        turns[split.group] = owner + 1
+        pending.append(_Gather(split, owner))
+    scatters = []
+    for item in pending:
+        if isinstance(item, torch.Tensor):
+            scatters.append(item)
+            continue
+        whole = item.wait()
+        result = None if whole is None else newton_schulz(whole, coefficients, steps, eps)
+        scatters.append(_Scatter(result, item))
+    return [item if isinstance(item, torch.Tensor) else item.wait() for item in scatters]
+
+
+def _alone(split: Split, holders: list[int], coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
+    if not holders or dist.get_rank(split.group) != holders[0]:
+        return split.local[:0]
+    return newton_schulz(split.local.reshape(split.shape), coefficients, steps, eps).reshape(split.local.shape)
+
+
+class _Gather:
+    """This rank's piece (padded to the largest) posted to the owner; the owner's ``wait`` returns the matrix."""
+
+    def __init__(self, split: Split, owner: int) -> None:
+        self.split, self.owner, self.ranks = split, owner, dist.get_world_size(split.group)
+        self.padded = max(split.sizes)
+        padded = _padded(split.local, self.padded)
+        self.is_owner = dist.get_rank(split.group) == owner
         self.pieces = [torch.empty_like(padded) for _ in range(self.ranks)] if self.is_owner else None
-        self.request = dist.gather(padded, self.pieces, group=group, group_dst=owner, async_op=True)
-        self.columns, self.dtype = update.shape[1:], update.dtype
+        self.request = dist.gather(padded, self.pieces, group=split.group, group_dst=owner, async_op=True)
 
     def wait(self) -> torch.Tensor | None:
         self.request.wait()
         if self.pieces is None:
             return None
-        return torch.cat([piece[:size] for piece, size in zip(self.pieces, self.sizes, strict=True)])
+        pieces = [piece[:size] for piece, size in zip(self.pieces, self.split.sizes, strict=True)]
+        return torch.cat(pieces).reshape(self.split.shape)
 
 
 class _Scatter:
-    """The owner's result posted back: each rank receives its rows."""
+    """The owner's result posted back: each rank receives its piece."""
 
     def __init__(self, result: torch.Tensor | None, gather: _Gather) -> None:
-        pieces = (
-            None if result is None else [_padded(piece, gather.padded_rows) for piece in result.split(gather.sizes)]
-        )
-        self.mine = torch.empty((gather.padded_rows, *gather.columns), dtype=gather.dtype)
-        self.size = gather.sizes[dist.get_rank(gather.group)]
-        self.request = dist.scatter(self.mine, pieces, group=gather.group, group_src=gather.owner, async_op=True)
+        split = gather.split
+        rest = split.local.shape[1:]
+        pieces = None
+        if result is not None:
+            flat = result.reshape(sum(split.sizes), *rest)
+            pieces = [_padded(piece, gather.padded) for piece in flat.split(split.sizes)]
+        self.mine = torch.empty((gather.padded, *rest), dtype=split.local.dtype, device=split.local.device)
+        self.size = split.sizes[dist.get_rank(split.group)]
+        self.request = dist.scatter(self.mine, pieces, group=split.group, group_src=gather.owner, async_op=True)
 
     def wait(self) -> torch.Tensor:
         self.request.wait()
@@ -158,20 +208,9 @@ def _whole_then_local(
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz iteration, op for op (bf16), on a whole matrix."""
-    if steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    a, b, c = coefficients
-    ortho = matrix.bfloat16()
-    tall = matrix.size(0) > matrix.size(1)
-    if tall:
-        ortho = ortho.T
-    ortho.div_(ortho.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = ortho @ ortho.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
-    return ortho.T if tall else ortho
+    """torch.optim.Muon's own quintic Newton-Schulz iteration (bf16) on a whole matrix (pinned in
+    tests/unit/test_private_apis.py): the same function one process runs."""
+    return zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:

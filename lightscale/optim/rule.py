@@ -12,8 +12,16 @@ parameter as one process would. Each strategy class says how its optimizer sees 
   own step fails on DTensor), torch's Muon by :class:`~lightscale.optim.muon.ShardedMuon` (each matrix orthogonalized
   whole, once, by an owner rank; torch's own runs on every rank through DTensor's sharded bf16 products, which round
   differently); a user's own shape-dependent optimizer is refused.
-* ``"flat"``: DeepSpeed steps flat 1-D partitions (ZeRO): every shape-dependent optimizer is refused, and so is a
-  combination of optimizers (lightscale/optim/combined.py), whose groups DeepSpeed rebuilds.
+* ``"flat_mapped"``: DeepSpeed steps flat 1-D fp32 partitions, and lightscale reads where each parameter lies in them
+  (lightscale/zero/partition.py): ZeRO-1/2 lay each group's parameters end to end, ZeRO-3 each parameter's own
+  partition end to end (zero1, zero2, zero3 and their offload names). torch's Muon is stepped by
+  :class:`~lightscale.optim.flat_muon.FlatMuon` (each matrix gathered whole to an owner rank for Newton-Schulz);
+  Adafactor (its factored state would need the matrices' rows on one rank) and a user's own are refused.
+* ``"flat"``: DeepSpeed steps flat 1-D partitions it may swap to NVMe (ZeRO-Infinity; fit_memory, which may become
+  any ZeRO name): every shape-dependent optimizer is refused.
+
+Under both flat views a combination of optimizers (lightscale/optim/combined.py) is refused: DeepSpeed rebuilds its
+groups.
 
 A user's own optimizer says it is shape-dependent with a class attribute::
 
@@ -30,12 +38,14 @@ import torch
 
 from lightscale.errors import ConfigurationError
 
-ParameterView = Literal["whole", "dtensor", "flat"]
+ParameterView = Literal["whole", "dtensor", "flat_mapped", "flat"]
 VIEWS: dict[ParameterView, str] = {
     "whole": "every rank steps whole parameters",
     "dtensor": "parameters are DTensors sharded across ranks",
-    "flat": "DeepSpeed steps flat 1-D partitions of the parameters",
+    "flat_mapped": "DeepSpeed steps flat 1-D partitions of the parameters",
+    "flat": "DeepSpeed steps flat 1-D partitions of the parameters, which it may swap to NVMe files",
 }
+FLAT: tuple[ParameterView, ...] = ("flat_mapped", "flat")
 # torch's shape-dependent optimizers, by class, with what their step reads.
 KNOWN: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.Adafactor: "second moments factored over the last two dimensions, updates scaled by whole-tensor norms",
@@ -43,6 +53,8 @@ KNOWN: dict[type[torch.optim.Optimizer], str] = {
 }
 # The ones a "dtensor" strategy runs exactly, as ShardedAdafactor and ShardedMuon (lightscale/optim/install.py).
 EXACT_ON_DTENSOR: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adafactor, torch.optim.Muon)
+# The ones a "flat_mapped" strategy (ZeRO but Infinity) runs exactly, as FlatMuon (lightscale/optim/install.py).
+EXACT_ON_FLAT_MAPPED: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
 ATTRIBUTE = "shape_dependent"
 
 
@@ -68,7 +80,9 @@ def runs_exactly(optimizer: torch.optim.Optimizer, view: ParameterView) -> bool:
     """Whether a strategy whose optimizer sees ``view`` runs ``optimizer`` with the same math as one process."""
     if view == "whole" or shape_dependence(optimizer) is None:
         return True
-    return view == "dtensor" and type(optimizer) in EXACT_ON_DTENSOR
+    if view == "dtensor":
+        return type(optimizer) in EXACT_ON_DTENSOR
+    return view == "flat_mapped" and type(optimizer) in EXACT_ON_FLAT_MAPPED
 
 
 def check_optimizers(
@@ -86,7 +100,7 @@ def check_optimizers(
         for leaf in inner_optimizers(optimizer):
             if not runs_exactly(leaf, view):
                 _refuse_shape_dependent(leaf, view, strategy, names_by_view())
-        if view == "flat" and inner_optimizers(optimizer) != [optimizer]:
+        if view in FLAT and inner_optimizers(optimizer) != [optimizer]:
             _refuse_combined(optimizer, strategy, names_by_view())
 
 
@@ -108,7 +122,7 @@ def _refuse_combined(optimizer: torch.optim.Optimizer, strategy: str, names: dic
     """DeepSpeed rebuilds the optimizer's groups over its flat partitions: a combination of optimizers trained a
     different model under zero2_offload, without an error (zero1/2/3 matched one process on a small MLP)."""
     parts = inner_optimizers(optimizer)
-    exact = [name for name, view in names.items() if view != "flat" and all(runs_exactly(p, view) for p in parts)]
+    exact = [name for name, view in names.items() if view not in FLAT and all(runs_exactly(p, view) for p in parts)]
     raise ConfigurationError(
         f"{type(optimizer).__name__} of {', '.join(type(p).__name__ for p in parts)} cannot run under {strategy}: "
         f"DeepSpeed rebuilds the optimizer over its flat partitions, which a combination of optimizers does not "

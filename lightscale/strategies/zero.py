@@ -28,6 +28,9 @@ from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.optim.flat_muon import FlatMuon
+from lightscale.optim.install import exact_optimizer
+from lightscale.optim.rule import ParameterView
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
@@ -62,6 +65,7 @@ from lightscale.zero.engine import (
     EngineRoot,
     check_async_io,
     check_zero_optimizer,
+    explain_partitioned_shapes,
     host_optimizer,
     not_a_boundary,
     rebind_scheduler,
@@ -71,6 +75,7 @@ from lightscale.zero.engine import (
 )
 from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
 from lightscale.zero.partition import (
+    flat_groups,
     full_numel,
     full_shape,
     is_partitioned,
@@ -132,12 +137,23 @@ class ZeroStrategy(LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
-    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (lightscale/optim/rule.py)
+    parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py): see parameter_view_for
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
         Plannable("zero2", "2Ψ", "+ gradients sharded", needs="deepspeed"),
     )
     memory_alternatives = (("zero2", None), ("zero3", None))
+
+    @classmethod
+    @override
+    def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
+        """Flat partitions whose layout lightscale reads (torch's Muon runs there as FlatMuon), except ZeRO-Infinity's,
+        which DeepSpeed swaps to NVMe files."""
+        return "flat" if init_params.get("nvme_path") else "flat_mapped"
+
+    @override
+    def optimizer_parameter_view(self) -> ParameterView:
+        return type(self).parameter_view_for({"nvme_path": self.options.nvme_path or self._nvme_auto})
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -293,6 +309,8 @@ class ZeroStrategy(LightscaleStrategy):
             # engine holds the (replicated) weights and still loads the checkpoint's module states.
             self.config["zero_optimization"] = {"stage": 0}
         self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
+        if isinstance(optimizer, FlatMuon):
+            optimizer.attach(flat_groups(zero_optimizer(self._engine)))  # where each matrix lies in the partitions
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:
@@ -337,15 +355,17 @@ class ZeroStrategy(LightscaleStrategy):
     def _optimizer_and_scheduler(
         self, module: LightningModule
     ) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        with explain_partitioned_shapes(module):  # ZeRO-3 parameters built in configure_model show shape (0,)
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         if len(optimizers) != 1 or len(schedulers) > 1:
             raise ConfigurationError(
                 f"The ZeRO strategies need exactly one optimizer and at most one LR scheduler; configure_optimizers "
                 f"returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s). {SEVERAL_OPTIMIZERS}"
             )
         optimizer = optimizers[0]
-        self.check_optimizers([optimizer])  # shape-dependent optimizers would step flat partitions: refused
+        self.check_optimizers([optimizer])  # shape-dependent optimizers: exact (Muon at stage 1/2) or refused
         check_zero_optimizer(optimizer)
+        optimizer = exact_optimizer(optimizer, self.optimizer_parameter_view())  # torch's Muon: FlatMuon
         self._group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer:
             optimizer = host_optimizer(optimizer, self.user_config)

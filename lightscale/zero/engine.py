@@ -20,6 +20,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
 from lightscale.patches.deepspeed import name_cpu_accelerator
+from lightscale.zero.partition import is_partitioned
 
 
 def require_deepspeed() -> None:
@@ -66,6 +67,26 @@ def not_a_boundary(engine: Any):
         yield
     finally:
         engine.set_gradient_accumulation_boundary(True)
+
+
+@contextmanager
+def explain_partitioned_shapes(module: nn.Module):
+    """Name the cause when ``configure_optimizers`` fails on ZeRO-3 parameters built in ``configure_model``:
+    ``deepspeed.zero.Init`` partitions them as they are built, so each shows shape (0,) while the user's code runs
+    (torch's Muon refuses anything but 2-D parameters when it is built; selecting matrices by ``p.ndim`` finds none)."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as error:
+        if not any(is_partitioned(p) and p.numel() == 0 for p in module.parameters()):
+            raise
+        raise ConfigurationError(
+            f"configure_optimizers failed under ZeRO-3 ({type(error).__name__}: {error}). Parameters built in "
+            "configure_model are partitioned as they are built (deepspeed.zero.Init), so while configure_optimizers "
+            "runs each has shape (0,): an optimizer that checks shapes when it is built (torch.optim.Muon takes 2-D "
+            "parameters only) or code that picks parameters by p.ndim sees no matrices. Build those layers in "
+            "__init__ (ZeRO-3 then partitions them when its engine starts), or use zero1 / zero2 (Muon runs there) "
+            "or fsdp2."
+        ) from error
 
 
 def check_zero_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -1,4 +1,5 @@
-"""What a ZeRO-3 parameter is made of, in DeepSpeed's own attributes: its partition, its full shape, its persistence.
+"""What ZeRO partitions are made of, in DeepSpeed's own attributes: a ZeRO-3 parameter's partition, full shape and
+persistence; where each parameter lies in the flat partitions the optimizer steps (:func:`flat_groups`).
 
 DeepSpeed's stage 3 replaces each parameter's data by an empty tensor and keeps this rank's slice of the flat
 parameter in ``param.ds_tensor`` (padded to ``ceil(numel / ranks)``); the full shape is ``ds_shape``. Parameters
@@ -14,8 +15,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from lightscale.optim.flat_muon import FlatGroup, FlatSpan
 
 
 def is_partitioned(tensor: Tensor) -> bool:
@@ -65,3 +71,59 @@ def regather_persistent(params: list[Tensor]) -> None:
     if persistent:  # release the stale whole copies (partitions untouched), then gather: DeepSpeed's own pair
         persistent[0].partition(param_list=persistent, has_been_updated=False)  # type: ignore[attr-defined]
         persistent[0].all_gather(param_list=persistent)  # type: ignore[attr-defined]
+
+
+def flat_groups(zero: Any) -> list[FlatGroup]:
+    """This rank's fp32 partitions, as DeepSpeed's optimizer hands them to the inner optimizer, and where each
+    parameter lies in them: ZeRO-1/2's partitions of each group's parameters laid end to end, or ZeRO-3's
+    partitions of each parameter laid end to end per sub-group."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        return _stage3_groups(zero)
+    return _stage12_groups(zero)
+
+
+def _stage12_groups(zero: Any) -> list[FlatGroup]:
+    """ZeRO-1/2 lays a group's parameters end to end (in ``round_robin_bit16_groups`` order, at
+    ``round_robin_bit16_offsets``, alignment padding between them) in one flat buffer padded to a multiple of the
+    ranks, and rank r holds elements [r P, (r + 1) P) of it, P = ``partition_size``; the fp32 copy of that slice is
+    what the inner optimizer steps (``single_partition_of_fp32_groups``)."""
+    groups = []
+    for index, partition in enumerate(zero.single_partition_of_fp32_groups):
+        process_group = zero.real_dp_process_group[index]
+        ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        size = int(zero.partition_size[index])
+        shapes = [meta.shape for meta in zero.round_robin_bit16_meta[index]]
+        offsets = zero.round_robin_bit16_offsets[index]
+        spans = tuple(_span(shape, start, size, ranks, rank) for shape, start in zip(shapes, offsets, strict=True))
+        device = zero.bit16_groups_flat[index].device  # collectives run where the model's bit16 copy lives
+        groups.append(FlatGroup(partition, spans, process_group, rank, device))
+    return groups
+
+
+def _span(shape: torch.Size, start: int, partition_size: int, ranks: int, rank: int) -> FlatSpan:
+    """The parameter at ``start`` of the flat buffer: its elements in each rank's [r P, (r + 1) P)."""
+    end = start + shape.numel()
+    sizes = tuple(max(0, min(end, (r + 1) * partition_size) - max(start, r * partition_size)) for r in range(ranks))
+    return FlatSpan(shape, sizes, max(start - rank * partition_size, 0))
+
+
+def _stage3_groups(zero: Any) -> list[FlatGroup]:
+    """ZeRO-3 partitions each parameter on its own: rank r holds elements [r p, (r + 1) p) of it, p =
+    ``ceil(numel / ranks)`` (``partition_numel``; the last rank's piece padded), and a sub-group's fp32 partition is
+    its parameters' pieces end to end (``fp32_partitioned_groups_flat``, in ``fp16_groups`` order), persistent
+    parameters included."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())  # the pieces travel on the accelerator
+    groups = []
+    for index, partition in enumerate(zero.fp32_partitioned_groups_flat):
+        process_group = zero.sub_group_process_groups[index]
+        ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        spans, offset = [], 0
+        for param in zero.fp16_groups[index]:
+            piece, numel = param.partition_numel(), full_numel(param)
+            sizes = tuple(max(0, min(numel, (r + 1) * piece) - r * piece) for r in range(ranks))
+            spans.append(FlatSpan(full_shape(param), sizes, offset))
+            offset += piece
+        groups.append(FlatGroup(partition, tuple(spans), process_group, rank, device))
+    return groups

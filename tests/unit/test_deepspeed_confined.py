@@ -24,6 +24,8 @@ DEEPSPEED_NAMES = frozenset(
         *("_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state", "_restore_from_bit16_weights"),
         *("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"),
         *("safe_set_full_optimizer_state", "GatheredParameters", "zero_to_fp32", "set_gradient_accumulation_boundary"),
+        *("round_robin_bit16_meta", "round_robin_bit16_offsets", "real_dp_process_group", "bit16_groups_flat"),
+        *("sub_group_process_groups", "partition_numel"),  # the flat layout FlatMuon is given (zero/partition.py)
     }
 )
 

@@ -330,6 +330,25 @@ def _adafactor_under_zero():
     _zero(stage=2)._optimizer_and_scheduler(module)
 
 
+def _muon_on_zero3_partitioned():
+    """torch's Muon built in configure_optimizers over ZeRO-3 parameters already partitioned (built in configure_model
+    under deepspeed.zero.Init: shape (0,), the partition kept beside it), as ZeRO's set-up calls it."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(0))
+            self.weight.ds_tensor = torch.zeros(8)  # what ZeRO-3 keeps (lightscale/zero/partition.py)
+
+        def configure_optimizers(self):
+            return torch.optim.Muon(self.parameters())
+
+    module = Module()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    _zero(stage=3)._optimizer_and_scheduler(module)
+
+
 def _shape_dependent_under(name: str, optimizer: str):
     """An optimizer whose step reads a parameter's shape, under the strategy ``name`` with its defaults (at setup)."""
     from lightning.pytorch.strategies import StrategyRegistry
@@ -837,9 +856,15 @@ CATALOGUE: list[tuple] = [
     ("optimizer-shape-zero", "an optimizer whose step reads a parameter's shape (torch's Adafactor) under ZeRO, which "
      "would step it on flat partitions (at setup)", _adafactor_under_zero, CE,
      r"torch.optim.Adafactor cannot run under ZeroStrategy.*flat 1-D partitions.*runs exactly under: bucketed_ddp"),
-    ("optimizer-shape-muon-zero", "torch's Muon under ZeRO (Newton-Schulz needs whole matrices; at setup)",
-     lambda: _shape_dependent_under("zero3", "muon"), CE,
-     r"torch.optim.Muon cannot run under ZeroStrategy.*runs exactly under: .*fsdp2"),
+    ("optimizer-shape-muon-zero", "torch's Muon under zero_infinity, whose partitions DeepSpeed swaps to NVMe files "
+     "(it runs under zero1/2/3 and their offload names, as FlatMuon; at setup)",
+     lambda: _shape_dependent_under("zero_infinity", "muon"), CE,
+     r"torch.optim.Muon cannot run under ZeroStrategy.*swap to NVMe files.*runs exactly under: "
+     r".*zero3_offload.*fsdp2"),
+    ("optimizer-partitioned-shapes", "configure_optimizers failing under zero3 on parameters built in configure_model, "
+     "which are partitioned (shape (0,)) while it runs: torch's Muon refuses them when built (at setup)",
+     _muon_on_zero3_partitioned, CE,
+     r"configure_optimizers failed under ZeRO-3 \(ValueError: Muon only supports 2D.*Build those layers in __init__"),
     ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
      "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
      r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),

@@ -18,6 +18,7 @@ from lightscale.estimate import (
     megatron_activation_bytes,
     zero_stage_bytes,
 )
+from lightscale.estimate.optimizer_state import adafactor_state_bytes
 from lightscale.estimate.report import parse_bytes
 from lightscale.recipes.gpt import GPTConfig, GPTModule
 
@@ -164,3 +165,19 @@ def test_diloco_counts_its_outer_state_exactly(settings: dict, extra: int) -> No
     states = [s for f in sync.fragments if f.optimizer for st in f.optimizer.state.values() for s in st.values()]
     held = sum(t.nbytes for _, t in sync.named_globals()) + sum(s.nbytes for s in states if s.dim())
     assert held == extra * psi
+
+
+def test_adafactor_factored_state_as_torch_stores_it() -> None:
+    """torch.optim.Adafactor: row factor shape[:-1], column factor shape[:-2] + shape[-1:], vectors a full variance,
+    a float32 step each; FSDP2's dimension-0 chunks split the row factor (and a 3-D tensor's column factor), not a
+    matrix's column factor. Measured equal in tests/distributed/test_sharded_adafactor.py."""
+
+    shapes = [torch.Size((15, 8)), torch.Size((15,)), torch.Size((3, 4, 6))]
+    whole = (15 + 8) + 15 + (3 * 4 + 3 * 6)
+    assert adafactor_state_bytes(shapes, dp_shard=1, dtype_bytes=4) == 4 * whole + 4 * 3
+    halves = (8 + 8) + 8 + (2 * 4 + 2 * 6)  # the most loaded rank holds ceil(rows / 2)
+    assert adafactor_state_bytes(shapes, dp_shard=2, dtype_bytes=4) == 4 * halves + 4 * 3
+    with pytest.raises(ValueError, match="ZeRO refuses Adafactor"):
+        estimate_memory(
+            torch.nn.Linear(4, 4), "zero2", world_size=2, optimizer=torch.optim.Adafactor, activations=False
+        )

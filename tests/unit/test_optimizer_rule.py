@@ -20,7 +20,8 @@ from lightscale.strategies.registry import strategy_table
 WHOLE = ["bucketed_ddp", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "diloco", "streaming_diloco", "local_sgd"]
 DTENSOR = ["fsdp2", "fsdp2_grad_op", "hsdp", "fsdp2_offload", "fsdp2_zeropp", "parallel_3d", "tp2", "pp2", "tp2_pp2"]
 DTENSOR += ["ep2", "ep2_pp2", "ep2_tp2", "cp2", "cp2_tp2"]
-FLAT = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity", "fit_memory"]
+ZERO_MAPPED = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]  # flat partitions lightscale maps: FlatMuon
+FLAT = [*ZERO_MAPPED, "zero_infinity", "fit_memory"]  # NVMe-swapped partitions; fit_memory may become any ZeRO name
 
 
 class Shampoo(torch.optim.SGD):
@@ -41,7 +42,7 @@ EXACT = {
     "sgd": WHOLE + DTENSOR + FLAT,
     "adamw": WHOLE + DTENSOR + FLAT,
     "adafactor": WHOLE + DTENSOR,
-    "muon": WHOLE + DTENSOR,
+    "muon": WHOLE + DTENSOR + ZERO_MAPPED,
     "users": WHOLE,
 }
 CLASS_NAMES = {"adafactor": "torch.optim.Adafactor", "muon": "torch.optim.Muon", "users": "Shampoo"}

@@ -84,6 +84,7 @@ PRIVATE_APIS = [
     ("lightning.pytorch.callbacks", "WeightAveraging._swap_models", "weight averaging of local shards"),
     ("lightning.pytorch.callbacks", "WeightAveraging._copy_average_to_current", "weight averaging of local shards"),
     ("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
+    ("torch.optim._muon", "_zeropower_via_newtonschulz", "Muon's Newton-Schulz in ShardedMuon and FlatMuon"),
 ]
 
 
@@ -142,6 +143,40 @@ def test_deepspeed_engine_internals(pattern: str, used_for: str) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert pattern in inspect.getsource(DeepSpeedEngine), f"DeepSpeedEngine no longer uses {pattern} ({used_for})"
+
+
+@pytest.mark.parametrize(
+    "attribute",
+    [
+        "single_partition_of_fp32_groups",
+        "real_dp_process_group",
+        "partition_size",
+        "round_robin_bit16_meta",
+        "round_robin_bit16_offsets",
+        "bit16_groups_flat",
+    ],
+)
+def test_zero12_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer)
+    assert f"self.{attribute}" in source, f"ZeRO-1/2 no longer keeps {attribute}: flat_groups reads the layout from it"
+    assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in source  # one group per inner step
+
+
+@pytest.mark.parametrize("attribute", ["fp32_partitioned_groups_flat", "sub_group_process_groups", "fp16_groups"])
+def test_zero3_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import Init
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    assert f"self.{attribute}" in source, f"ZeRO-3 no longer keeps {attribute}: flat_groups reads the layout from it"
+    assert "start = start + src.ds_numel" in source  # each parameter's partition laid end to end in a sub-group
+    assert "def partition_numel" in inspect.getsource(Init)  # the per-rank piece, ceil(numel / ranks)
 
 
 def test_zero_to_fp32_loads_through_its_torch_global() -> None:  # export swaps that global for weights-only loads
