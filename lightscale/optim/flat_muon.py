@@ -82,7 +82,7 @@ class FlatMuon(torch.optim.Muon):
             )
         if id(partition) == self._first:
             self._turns.clear()  # a new step: the first owner is rank 0 again
-        update = self._momentum_update(partition, group)
+        update = self._momentum_update(partition, group).to(flat.device)  # one copy per partition (offload: to the GPU)
         splits = [_split(update, span, flat) for span in flat.spans]
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"], eps=group["eps"])
         orthogonal = orthogonalize_splits(splits, **ns, turns=self._turns)
@@ -111,7 +111,7 @@ class FlatMuon(torch.optim.Muon):
 
 def _split(update: torch.Tensor, span: FlatSpan, flat: FlatGroup) -> Split:
     local = update.narrow(0, span.offset, span.sizes[flat.rank]) if span.sizes[flat.rank] else update[:0]
-    return Split(local.to(flat.device), list(span.sizes), span.shape, flat.group)
+    return Split(local, list(span.sizes), span.shape, flat.group)
 
 
 def flat_muon_from(optimizer: torch.optim.Muon) -> FlatMuon:
