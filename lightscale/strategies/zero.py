@@ -77,11 +77,11 @@ from lightscale.zero.optimizer_tensors import gradient_partitions, master_partit
 from lightscale.zero.partition import (
     flat_groups,
     full_numel,
-    full_shape,
     is_partitioned,
     partition,
     regather_persistent,
     stored_tensors,
+    whole_shape,
 )
 from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
@@ -166,7 +166,7 @@ class ZeroStrategy(LightscaleStrategy):
 
     @override
     def global_shape(self, tensor: torch.Tensor) -> torch.Size:
-        return full_shape(tensor) if is_partitioned(tensor) else super().global_shape(tensor)
+        return whole_shape(tensor)
 
     @override
     def global_numel(self, tensor: torch.Tensor) -> int:

@@ -39,6 +39,7 @@ from lightscale.storage.safe_io import checkpoint_safe_globals, load_with_packag
 from lightscale.storage.shape_check import check_shapes
 from lightscale.storage.staged_copy import local_directory, scratch_directory, upload_directory
 from lightscale.storage.urls import Location, RemotePath, checkpoint_location
+from lightscale.zero.partition import whole_shape
 
 CHECKPOINT_TAG = "checkpoint"  # the engine's tag sub-directory inside every lightscale ZeRO checkpoint
 # The files of one data-parallel rank: its partitions (optimizer state; ZeRO-3 model state) and NVMe swap copies.
@@ -129,7 +130,7 @@ def load_engine_directory(engine: Any, path: Location, *, fitting: bool) -> dict
     optimizer = engine.optimizer
     if not fitting:  # ZeRO-3 evaluation's optimizer stand-in has no fp32 master to refresh; DeepSpeed refreshes anyway
         skip_bit16_refresh(optimizer)
-    model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters()}
+    model = {name: tuple(whole_shape(p)) for name, p in engine.module.named_parameters()}
     # data-parallel rank = global rank: lightscale's ZeRO spans the whole world
     keep = read_by_rank(dist.get_rank() if dist.is_initialized() else 0, elastic=engine.zero_elastic_checkpoint())
     with local_directory(path, keep=keep) as local:
