@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.zero.partition import master_device
-from lightscale.zero.portable import _flat_partitions, _rank
+from lightscale.zero.partition import fp32_partitions, master_device
 
 
 def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
@@ -31,7 +31,7 @@ def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> Non
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
-            if _rank() == 0:
+            if dist.get_rank() == 0:  # DeepSpeed's engine always runs in a process group
                 param.data.copy_(value)
     elif zero is None or not param.requires_grad:
         with torch.no_grad():
@@ -55,7 +55,7 @@ def refresh_working_copies(zero: Any) -> None:
 def set_scalars(zero: Any, scalars: dict[str, Tensor]) -> None:
     """Each scalar state of every flat partition, in the type the optimizer keeps it (tensor or Python number)."""
     inner = zero.optimizer
-    for flat in _flat_partitions(zero):
+    for flat in fp32_partitions(zero):
         state = inner.state[flat]
         for key, value in scalars.items():
             live = state[key]  # each partition its own tensor: optimizers count steps in place

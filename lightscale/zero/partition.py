@@ -73,6 +73,17 @@ def regather_persistent(params: list[Tensor]) -> None:
         persistent[0].all_gather(param_list=persistent)  # type: ignore[attr-defined]
 
 
+# The fp32 partitions the inner optimizer steps, by ZeRO optimizer: ZeRO-3, ZeRO-1/2, and ZeRO-1 in bf16 (DeepSpeed's
+# BF16_Optimizer).
+_FP32_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+
+
+def fp32_partitions(zero: Any) -> list[Tensor]:
+    """This rank's flat fp32 partitions, the tensors DeepSpeed's inner optimizer keeps its state under."""
+    name = next(name for name in _FP32_PARTITIONS if hasattr(zero, name))
+    return list(getattr(zero, name))
+
+
 def flat_groups(zero: Any) -> list[FlatGroup]:
     """This rank's fp32 partitions, as DeepSpeed's optimizer hands them to the inner optimizer, and where each
     parameter lies in them: ZeRO-1/2's partitions of each group's parameters laid end to end, or ZeRO-3's

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.patches.deepspeed import relink_optimizer_states
+from lightscale.zero.partition import fp32_partitions
 
 
 def _rank() -> int:
@@ -68,7 +69,7 @@ def optimizer_state(zero: Any) -> tuple[list[str], dict[str, Tensor]]:
     inner = zero.optimizer
     elementwise: set[str] = set()
     scalars: dict[str, Tensor] = {}
-    for flat in _flat_partitions(zero):
+    for flat in fp32_partitions(zero):
         for key, value in inner.state.get(flat, {}).items():
             if torch.is_tensor(value) and value.shape == flat.shape:
                 elementwise.add(key)
@@ -168,21 +169,13 @@ def materialize_optimizer_state(zero: Any, elementwise: Iterable[str] = (), scal
     """
     inner = zero.optimizer
     int_steps = type(inner).__name__ == "DeepSpeedCPUAdam"  # counts its steps in a Python int
-    for flat in _flat_partitions(zero) if elementwise or scalars else []:
+    for flat in fp32_partitions(zero) if elementwise or scalars else []:
         state = inner.state[flat]
         for key in (key for key in elementwise if key not in state):
             state[key] = torch.zeros_like(flat)
         for key in (key for key in scalars if key not in state):
             state[key] = 0 if int_steps else torch.tensor(0.0, dtype=torch.float32)
     relink_optimizer_states(zero)  # ZeRO-1/2 linked the first group only (lightscale/patches/deepspeed.py)
-
-
-_FLAT_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
-
-
-def _flat_partitions(zero: Any) -> list[Tensor]:
-    name = next(name for name in _FLAT_PARTITIONS if hasattr(zero, name))
-    return list(getattr(zero, name))
 
 
 def group_parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
