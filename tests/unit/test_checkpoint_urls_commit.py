@@ -146,11 +146,10 @@ def test_remote_path_cannot_become_a_local_file() -> None:
         pass
 
 
-def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = checkpoint_location(f"memory://run-{uuid.uuid4().hex[:8]}")
-    assert isinstance(directory, RemotePath)
-    assert newest_checkpoint(directory) is None  # nothing there yet: start fresh
-    written: dict[str, float] = {}  # a clock that ticks per write (memory:// stamps to the microsecond only)
+@pytest.fixture
+def write_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that ticks per write: memory:// stamps objects to the microsecond only."""
+    written: dict[str, float] = {}
     write = RemotePath.write_bytes
 
     def stamped_write(self: RemotePath, data: bytes) -> None:
@@ -159,6 +158,13 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage(monk
 
     monkeypatch.setattr(RemotePath, "write_bytes", stamped_write)
     monkeypatch.setattr(RemotePath, "modified", lambda self: written[str(self)])
+
+
+@pytest.mark.usefixtures("write_clock")
+def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage() -> None:
+    directory = checkpoint_location(f"memory://run-{uuid.uuid4().hex[:8]}")
+    assert isinstance(directory, RemotePath)
+    assert newest_checkpoint(directory) is None  # nothing there yet: start fresh
     _save(directory / "step=3.ckpt", "3")
     (directory / "step=4.ckpt").write_bytes(b"a single-file checkpoint")
     assert newest_checkpoint(directory) == directory / "step=4.ckpt"
@@ -176,20 +182,12 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_object_storage(monk
     assert _version(complete_checkpoint(last)) == "7"
 
 
-def test_lightnings_last_is_answered_in_object_storage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("write_clock")
+def test_lightnings_last_is_answered_in_object_storage(tmp_path: Path) -> None:
     """fit(ckpt_path="last") under lightscale.Trainer: the newest complete last*.ckpt of the ModelCheckpoint's bucket
     (Lightning lists it without the scheme and finds nothing); local directories keep Lightning's own answer."""
     directory = checkpoint_location(f"memory://last-{uuid.uuid4().hex[:8]}")
     assert isinstance(directory, RemotePath)
-    written: dict[str, float] = {}
-    write = RemotePath.write_bytes
-
-    def stamped_write(self: RemotePath, data: bytes) -> None:
-        write(self, data)
-        written[str(self)] = float(len(written))
-
-    monkeypatch.setattr(RemotePath, "write_bytes", stamped_write)
-    monkeypatch.setattr(RemotePath, "modified", lambda self: written[str(self)])
     callbacks = [ModelCheckpoint(dirpath=str(directory))]
     with pytest.warns(UserWarning, match="no complete last checkpoint"):
         assert resolve_last("last", callbacks) is None  # an empty bucket prefix: start fresh, as Lightning does
