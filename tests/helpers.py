@@ -22,6 +22,25 @@ PARITY_TOLERANCE = 1e-5
 S3_BUCKET = "lightscale-test"  # created by the `s3` fixture (tests/conftest.py: a local S3 server per module)
 
 
+class CountingDist:
+    """torch.distributed as lightscale/optim/muon.py sees it (``mock.patch.object(muon, "dist", ...)``), logging
+    each gather's and scatter's local bytes (ShardedMuon and FlatMuon share that module's gather and scatter)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []  # (kind, bytes of this rank's piece, owner)
+
+    def gather(self, tensor: torch.Tensor, *args: Any, group_dst: int, **kwargs: Any) -> Any:
+        self.calls.append(("gather", tensor.nbytes, group_dst))
+        return dist.gather(tensor, *args, group_dst=group_dst, **kwargs)
+
+    def scatter(self, tensor: torch.Tensor, *args: Any, group_src: int, **kwargs: Any) -> Any:
+        self.calls.append(("scatter", tensor.nbytes, group_src))
+        return dist.scatter(tensor, *args, group_src=group_src, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
 def quiet_trainer(
     strategy: Any, *, devices: int, max_steps: int, accelerator: str = "cpu", **kwargs: Any
 ) -> pl.Trainer:

@@ -18,8 +18,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import quiet_trainer
+from helpers import CountingDist, quiet_trainer
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -67,24 +66,6 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 # ---- on each rank --------------------------------------------------------------------------------------------
-class _CountingDist:
-    """torch.distributed as lightscale/optim/muon.py sees it, logging each gather's and scatter's local bytes."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []  # (kind, bytes of this rank's piece, owner)
-
-    def gather(self, tensor: torch.Tensor, *args: Any, group_dst: int, **kwargs: Any) -> Any:
-        self.calls.append(("gather", tensor.nbytes, group_dst))
-        return dist.gather(tensor, *args, group_dst=group_dst, **kwargs)
-
-    def scatter(self, tensor: torch.Tensor, *args: Any, group_src: int, **kwargs: Any) -> Any:
-        self.calls.append(("scatter", tensor.nbytes, group_src))
-        return dist.scatter(tensor, *args, group_src=group_src, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-
 class _Final(pl.Callback):
     def __init__(self) -> None:
         self.out: dict[str, Any] = {}
@@ -97,7 +78,7 @@ class _Final(pl.Callback):
 
 def _fit() -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    final, counting = _Final(), _CountingDist()
+    final, counting = _Final(), CountingDist()
     trainer = quiet_trainer("fsdp2", devices=2, max_steps=STEPS, callbacks=[final])
     with mock.patch.object(muon, "dist", counting):
         trainer.fit(MLP(), DataLoader(TensorDataset(*_batch()), batch_size=BATCH // 2))

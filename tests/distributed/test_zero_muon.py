@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import quiet_trainer
+from helpers import CountingDist, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -89,24 +89,6 @@ def reference(groups: bool = False) -> dict[str, torch.Tensor]:
 
 
 # ---- on each rank --------------------------------------------------------------------------------------------
-class _CountingDist:
-    """torch.distributed as lightscale/optim/muon.py sees it, logging each gather's and scatter's local bytes."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []  # (kind, bytes of this rank's piece, owner)
-
-    def gather(self, tensor: torch.Tensor, *args: Any, group_dst: int, **kwargs: Any) -> Any:
-        self.calls.append(("gather", tensor.nbytes, group_dst))
-        return dist.gather(tensor, *args, group_dst=group_dst, **kwargs)
-
-    def scatter(self, tensor: torch.Tensor, *args: Any, group_src: int, **kwargs: Any) -> Any:
-        self.calls.append(("scatter", tensor.nbytes, group_src))
-        return dist.scatter(tensor, *args, group_src=group_src, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-
 class _Final(pl.Callback):
     def __init__(self) -> None:
         self.out: dict[str, Any] = {}
@@ -126,7 +108,7 @@ def _fit(
     name: str, root: str, *, save_at: int | None = None, resume: str | None = None, groups: bool = False
 ) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    final, counting = _Final(), _CountingDist()
+    final, counting = _Final(), CountingDist()
     callbacks: list[pl.Callback] = [final]
     if save_at is not None:
         callbacks.append(
