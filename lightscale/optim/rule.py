@@ -51,10 +51,12 @@ KNOWN: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.Adafactor: "second moments factored over the last two dimensions, updates scaled by whole-tensor norms",
     torch.optim.Muon: "Newton-Schulz orthogonalization of each 2-D matrix",
 }
-# The ones a "dtensor" strategy runs exactly, as ShardedAdafactor and ShardedMuon (lightscale/optim/install.py).
-EXACT_ON_DTENSOR: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adafactor, torch.optim.Muon)
-# The ones a "flat_mapped" strategy (ZeRO but Infinity) runs exactly, as FlatMuon (lightscale/optim/install.py).
-EXACT_ON_FLAT_MAPPED: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
+# The ones a sharded view runs exactly, by view (lightscale/optim/install.py steps them): "dtensor" as ShardedAdafactor
+# and ShardedMuon, "flat_mapped" (ZeRO but Infinity) as FlatMuon; "flat" none.
+EXACT: dict[ParameterView, tuple[type[torch.optim.Optimizer], ...]] = {
+    "dtensor": (torch.optim.Adafactor, torch.optim.Muon),
+    "flat_mapped": (torch.optim.Muon,),
+}
 ATTRIBUTE = "shape_dependent"
 
 
@@ -80,9 +82,7 @@ def runs_exactly(optimizer: torch.optim.Optimizer, view: ParameterView) -> bool:
     """Whether a strategy whose optimizer sees ``view`` runs ``optimizer`` with the same math as one process."""
     if view == "whole" or shape_dependence(optimizer) is None:
         return True
-    if view == "dtensor":
-        return type(optimizer) in EXACT_ON_DTENSOR
-    return view == "flat_mapped" and type(optimizer) in EXACT_ON_FLAT_MAPPED
+    return type(optimizer) in EXACT.get(view, ())
 
 
 def check_optimizers(
