@@ -1,7 +1,7 @@
 """lightscale's strategies as derived from their classes: names, descriptions, families, planner candidates.
 
 Every class that declares ``aliases`` registered itself when it was defined (``LightscaleStrategy.__init_subclass__``:
-Lightning's ``StrategyRegistry`` and :data:`~lightscale.strategies.base.REGISTERED`), so a subclass in a user's own
+Lightning's ``StrategyRegistry`` and :data:`~lightscale.strategies.names.REGISTERED`), so a subclass in a user's own
 file is known here like the built-in ones; nothing below types a strategy's name a second time.
 
 Example:
