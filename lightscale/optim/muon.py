@@ -113,19 +113,19 @@ def orthogonalize_splits(
     ``turns`` (per process group, the next owner) carries the turns over calls: DeepSpeed steps one group at a time.
     """
     turns = {} if turns is None else turns
-    pending: list[_Gather | torch.Tensor] = []
+    pending: list[_Gather | tuple[Split, list[int]]] = []
     for split in splits:
         holders = [rank for rank, size in enumerate(split.sizes) if size > 0]
         if len(holders) == 1:  # whole on one rank (or an empty matrix): nothing to move
-            pending.append(_alone(split, holders, coefficients, steps, eps))
+            pending.append((split, holders))  # orthogonalized below, while the gathers are in flight
             continue
         owner = turns.get(split.group, 0) % dist.get_world_size(split.group)
         turns[split.group] = owner + 1
         pending.append(_Gather(split, owner))
-    scatters = []
+    scatters: list[_Scatter | torch.Tensor] = []
     for item in pending:
-        if isinstance(item, torch.Tensor):
-            scatters.append(item)
+        if isinstance(item, tuple):
+            scatters.append(_alone(*item, coefficients, steps, eps))
             continue
         whole = item.wait()
         result = None if whole is None else newton_schulz(whole, coefficients, steps, eps)
