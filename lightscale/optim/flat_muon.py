@@ -87,12 +87,12 @@ class FlatMuon(torch.optim.Muon):
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"], eps=group["eps"])
         orthogonal = orthogonalize_splits(splits, **ns, turns=self._turns)
         lr = float(group["lr"])  # a 1-element tensor lr too, as torch's
+        partition.mul_(1 - lr * group["weight_decay"])  # elementwise: the whole partition at once (padding stays 0)
         for span, piece in zip(flat.spans, orthogonal, strict=True):
             size = span.sizes[flat.rank]
             if size == 0:
                 continue
             mine = partition.narrow(0, span.offset, size)
-            mine.mul_(1 - lr * group["weight_decay"])
             mine.add_(piece.to(mine.device), alpha=-adjust_lr(lr, group["adjust_lr_fn"], span.shape))
 
     def _momentum_update(self, partition: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
