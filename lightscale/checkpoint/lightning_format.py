@@ -41,7 +41,7 @@ from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.safe_io import load_weights_only
 from lightscale.storage.staged_copy import local_directory
 from lightscale.storage.urls import Location, checkpoint_location
-from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, safe_load
+from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, model_states_file, safe_load
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
 _OPTIMIZER = "optimizer."
@@ -161,12 +161,12 @@ def _from_deepspeed(path: Location) -> dict[str, Any]:
     """DeepSpeed's engine directory (a URL: downloaded to scratch once): full fp32 weights by ``zero_to_fp32`` and
     Lightning's client state."""
     with local_directory(path) as local:
-        files = sorted((local / CHECKPOINT_TAG).glob("*model_states.pt"))
-        if not files:
+        states = model_states_file(local)
+        if states is None:
             raise ConfigurationError(
                 f"{path / CHECKPOINT_TAG} holds no *model_states.pt file; it is not a ZeRO checkpoint."
             )
-        saved = safe_load(files[0], map_location="cpu")
+        saved = safe_load(states, map_location="cpu")
         weights = consolidate_zero_checkpoint(local, prefix="")
     rest = {key: value for key, value in saved.items() if key not in _DEEPSPEED_KEYS}
     missing = f"{path} is DeepSpeed's own directory (checkpoint_format='deepspeed'): its optimizer state is partitioned"

@@ -76,13 +76,20 @@ def safe_checkpoint_engine(engine_config: Any) -> Any:
     return SafeTorchCheckpointEngine(engine_config)
 
 
+def model_states_file(checkpoint: Path) -> Path | None:
+    """The first ``*model_states.pt`` of a local lightscale ZeRO checkpoint directory (it holds the client state and
+    the recorded parameter shapes), or None when there is none: not DeepSpeed's directory."""
+    files = sorted((checkpoint / CHECKPOINT_TAG).glob("*model_states.pt"))
+    return files[0] if files else None
+
+
 def saved_parameter_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """Full shape of every trained parameter of a lightscale ZeRO checkpoint directory, from the ``param_shapes``
     DeepSpeed records beside the model states (empty when it recorded none: saved without an optimizer)."""
-    files = sorted((checkpoint / CHECKPOINT_TAG).glob("*model_states.pt"))
-    if not files:
+    states = model_states_file(checkpoint)
+    if states is None:
         return {}
-    groups = safe_load(files[0], map_location="cpu", mmap=True).get("param_shapes") or []
+    groups = safe_load(states, map_location="cpu", mmap=True).get("param_shapes") or []
     return {name: tuple(shape) for group in groups for name, shape in group.items()}
 
 
