@@ -4,8 +4,9 @@ Muon as FlatMuon, told where its matrices lie).
 
 The model: bias-free matrices 8 -> 15 -> 4 (Muon, or SGD with momentum) with a LayerNorm between (its weight and bias:
 AdamW). One launch runs, on each rank:
-    * Muon + AdamW under zero2 (saving at ``SAVE_AT``) and zero3; zero2 resumed from that checkpoint, and bucketed_ddp
-      resumed from it (the portable layout: both parts' states move to torch's own optimizers);
+    * Muon + AdamW under zero2 (saving at ``SAVE_AT``), zero1, zero3 and zero3_offload; zero2 resumed from that
+      checkpoint, and bucketed_ddp resumed from it (the portable layout: both parts' states move to torch's own
+      optimizers);
     * SGD-momentum + AdamW under zero2 and zero2_offload (offload hands DeepSpeed's optimizer every group's gradient
       before it steps the groups one by one), and under zero2_offload with a planted error: every part stepping all
       its groups at each of DeepSpeed's per-group steps (what CombinedOptimizer did before it followed the narrowed
@@ -118,7 +119,8 @@ def _every_part(self: CombinedOptimizer, closure: Any = None) -> Any:
 
 
 def _run(root: str) -> dict[str, Any]:
-    out = {"zero2": _fit("zero2", f"{root}/zero2", save=True), "zero3": _fit("zero3", f"{root}/zero3")}
+    out = {"zero2": _fit("zero2", f"{root}/zero2", save=True)}
+    out |= {name: _fit(name, f"{root}/{name}") for name in ("zero1", "zero3", "zero3_offload")}
     saved = str(Path(root) / "zero2" / f"saved-step={SAVE_AT}.ckpt")
     out["zero2_resumed"] = _fit("zero2", f"{root}/resumed", resume=saved)
     out["ddp_resumed"] = _fit("bucketed_ddp", f"{root}/ddp_resumed", resume=saved)  # torch's own Muon and AdamW
@@ -141,7 +143,8 @@ def _error(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 
 @pytest.mark.parametrize(
     ("run", "kind", "parts"),
-    [("zero2", "muon", ["FlatMuon", "AdamW"]), ("zero3", "muon", ["FlatMuon", "AdamW"]),
+    [("zero2", "muon", ["FlatMuon", "AdamW"]), ("zero1", "muon", ["FlatMuon", "AdamW"]),
+     ("zero3", "muon", ["FlatMuon", "AdamW"]), ("zero3_offload", "muon", ["FlatMuon", "AdamW"]),
      ("zero2_resumed", "muon", ["FlatMuon", "AdamW"]), ("ddp_resumed", "muon", ["Muon", "AdamW"]),
      ("sgd_zero2", "sgd", ["SGD", "AdamW"]), ("sgd_zero2_offload", "sgd", ["SGD", "AdamW"])],
 )  # fmt: skip
