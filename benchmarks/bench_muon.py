@@ -2,8 +2,8 @@
 bucketed_ddp (torch's Muon: every rank orthogonalizes every matrix) and against AdamW under fsdp2; and under zero2
 (FlatMuon on DeepSpeed's flat partitions) against bucketed_ddp.
 
-ZeRO refuses a CombinedOptimizer, so the zero2 pair trains Muon alone on the 2-D weights with the rest frozen
-(``muon_only``), under zero2 and bucketed_ddp alike; its time is DeepSpeed's whole step (FlatMuon's step plus the
+The zero2 pair (written while ZeRO refused a CombinedOptimizer) trains Muon alone on the 2-D weights with the rest
+frozen (``muon_only``), under zero2 and bucketed_ddp alike; its time is DeepSpeed's whole step (FlatMuon's step plus the
 all-gather of the updated partitions and the copies around it), the one that replaces DDP's ``optimizer.step()``.
 
 Every torch optimizer is stepped as a part of a ``CombinedOptimizer`` (one part or two), which runs Lightning's
@@ -64,7 +64,7 @@ class GPTWith(GPTModule):
 
     def configure_optimizers(self) -> Any:
         parts = self._optimizers()
-        if self.trainer.strategy.optimizer_parameter_view().startswith("flat"):  # ZeRO refuses a combination
+        if self.trainer.strategy.optimizer_parameter_view().startswith("flat"):  # kept as measured: Muon alone
             (only,) = parts
             return only  # Lightning runs its closure before DeepSpeed's step, which is what is timed
         # torch's step runs Lightning's closure (forward and backward) inside itself: as parts of a CombinedOptimizer

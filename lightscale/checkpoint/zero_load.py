@@ -49,6 +49,11 @@ class SavedState:
         }
         self.elementwise = sorted({key for _, key, _ in saved} - self.scalars)
 
+    def by_group(self, group_names: list[list[str]]) -> list[tuple[list[str], list[str]]]:
+        """Each group's per-element and scalar keys (a combination's parts keep different ones)."""
+        keys = [set().union(*(self.keys.get(name, set()) for name in names)) for names in group_names]
+        return [(sorted(held - self.scalars), sorted(held & self.scalars)) for held in keys]
+
     def of(self, name: str, keys: Iterable[str]) -> list[str]:
         """Those of ``keys`` the checkpoint holds for parameter ``name``."""
         return sorted(set(keys) & self.keys.get(name, set()))
@@ -62,7 +67,7 @@ def load_zero_state_dict(
     params = unique_parameters(module)
     saved = SavedState(complete_checkpoint(path), params) if zero is not None else None
     if zero is not None and saved is not None:
-        materialize_optimizer_state(zero, saved.elementwise, saved.scalars)
+        materialize_optimizer_state(zero, saved.by_group(group_names))
     for batch in _batches(params):
         path = _load_batch(path, batch, zero, saved)
     _load_buffers(path, module)
@@ -119,11 +124,13 @@ def _load_buffers(path: Path, module: nn.Module) -> Path:
 
 
 def _load_groups(path: Path, zero: Any, group_names: list[list[str]], saved: SavedState) -> Path:
-    """The scalar states (from the first parameter's entries) and each group's hyper-parameters (from its first
-    parameter's), those the checkpoint holds."""
+    """Each group's scalar states and hyper-parameters (from its first parameter's entries), those the checkpoint
+    holds."""
     groups = zero.optimizer.param_groups
-    first = group_names[0][0]
-    template: dict[str, Any] = {f"state.{first}.{key}": torch.zeros(()) for key in saved.of(first, saved.scalars)}
+    firsts = [names[0] if names else "" for names in group_names]
+    template: dict[str, Any] = {
+        f"state.{first}.{key}": torch.zeros(()) for first in firsts for key in saved.of(first, saved.scalars)
+    }
     settings = [
         [key for key in _hyper_parameters(group) if f"optimizer.param_groups.{names[0]}.{key}" in saved.entries]
         for group, names in zip(groups, group_names, strict=True)
@@ -133,7 +140,7 @@ def _load_groups(path: Path, zero: Any, group_names: list[list[str]], saved: Sav
     path = read_checkpoint(path, {"optimizer": template})
     for group, keys, names in zip(groups, settings, group_names, strict=True):
         group.update({key: template[f"param_groups.{names[0]}.{key}"] for key in keys})
-    scalars = {key: template[f"state.{first}.{key}"] for key in saved.of(first, saved.scalars)}
+    scalars = [{key: template[f"state.{first}.{key}"] for key in saved.of(first, saved.scalars)} for first in firsts]
     set_scalars(zero, scalars)
     return path
 

@@ -3,10 +3,14 @@
 Lightning's automatic optimization, ZeRO and DiLoCo take one optimizer; two (the usual Muon recipe) needed manual
 optimization. :class:`CombinedOptimizer` is one ``torch.optim.Optimizer`` over the parts' own objects: its
 ``param_groups`` are theirs (an LR scheduler built on it schedules every group), its ``state`` is a view of theirs,
-``step`` runs the closure once and then steps each part, and its ``state_dict`` is torch's format over the groups in
-order (the parts' state dicts, renumbered), so checkpoints hold both states and load under every strategy. torch has
-no such class (torch.optim lists none). The strategies check each part (lightscale/optim/rule.py): Muon inside it runs
-where Muon runs. ZeRO refuses a combination: DeepSpeed rebuilds the optimizer over its flat partitions.
+``step`` runs the closure once and then steps each part on those of its groups in ``param_groups`` (all of them, unless
+an engine narrowed ``param_groups`` to the group it steps, as DeepSpeed's ZeRO does), and its ``state_dict`` is torch's
+format over the groups in order (the parts' state dicts, renumbered), so checkpoints hold both states and load under
+every strategy. torch has no such class (torch.optim lists none). The strategies check each part
+(lightscale/optim/rule.py): Muon inside it runs where Muon runs. Under ZeRO, DeepSpeed makes one flat partition per
+group, puts it in the group (the part's own dict) and steps the optimizer with ``param_groups`` narrowed to that group:
+each part steps its own partitions (torch's Muon as FlatMuon, told where its matrices lie: lightscale/optim/install.py
+``attach_flat``).
 
 Example:
     >>> def configure_optimizers(self):
@@ -53,9 +57,19 @@ class CombinedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = closure_loss(closure)
+        current = {id(group) for group in self.param_groups}  # ZeRO steps one group at a time: only those
         for optimizer in self.optimizers:
-            optimizer.step()
+            mine = [group for group in optimizer.param_groups if id(group) in current]
+            if mine:
+                _step_groups(optimizer, mine)
         return loss
+
+    def own(self, tensor: torch.Tensor, group_index: int) -> None:
+        """Keep ``tensor``'s state in the part holding group ``group_index``: an engine's stand-in for that group's
+        parameters (ZeRO's flat partition, which ZeRO-3 leaves in no group between steps)."""
+        group = self.param_groups[group_index]
+        part = next(o for o in self.optimizers if any(mine is group for mine in o.param_groups))
+        part.state.setdefault(tensor, {})  # an empty entry: torch's optimizers create their state in it
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "optimizers") and self.param_groups:
@@ -84,6 +98,19 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if groups:
             raise ValueError(f"CombinedOptimizer.load_state_dict: {len(groups)} parameter groups left over.")
         self.sync_groups()  # torch's load_state_dict gives each part new group dicts
+
+
+def _step_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Step ``optimizer`` on ``groups`` (some or all of its own), as DeepSpeed steps its optimizer per group."""
+    if len(groups) == len(optimizer.param_groups):
+        optimizer.step()
+        return
+    original = optimizer.param_groups
+    optimizer.param_groups = groups
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = original
 
 
 class _States(MutableMapping):

@@ -51,6 +51,7 @@ class FlatGroup:
     group: Any  # the process group the partitions are split over
     rank: int  # this rank in ``group``
     device: torch.device  # where the pieces travel and Newton-Schulz runs (the accelerator under offload)
+    param_group: int = 0  # the optimizer's parameter group this partition steps (ZeRO-3: its sub-group's group)
 
 
 class FlatMuon(torch.optim.Muon):

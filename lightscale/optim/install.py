@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightscale.optim.adafactor import sharded_adafactor_from
 from lightscale.optim.combined import CombinedOptimizer
-from lightscale.optim.flat_muon import flat_muon_from
+from lightscale.optim.flat_muon import FlatGroup, FlatMuon, flat_muon_from
 from lightscale.optim.muon import sharded_muon_from
 from lightscale.optim.rule import ParameterView
 from lightscale.patches.torch_internals import track_optimizer_steps
@@ -52,6 +52,21 @@ def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> to
     if view == "flat_mapped" and type(optimizer) is torch.optim.Muon:
         return flat_muon_from(optimizer)
     return optimizer
+
+
+def attach_flat(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
+    """Tell ``optimizer`` where ZeRO's flat partitions lie (``groups``, from lightscale/zero/partition.py): FlatMuon
+    where its matrices are; a CombinedOptimizer which part keeps each partition's state, and each FlatMuon part the
+    partitions of its own groups."""
+    if isinstance(optimizer, FlatMuon):
+        optimizer.attach(groups)
+    if not isinstance(optimizer, CombinedOptimizer):
+        return
+    for flat in groups:
+        optimizer.own(flat.partition, flat.param_group)
+    for part in optimizer.optimizers:
+        ids = {id(group) for group in part.param_groups}
+        attach_flat(part, [flat for flat in groups if id(optimizer.param_groups[flat.param_group]) in ids])
 
 
 def install_exact_optimizers(

@@ -28,8 +28,9 @@ from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.optim.combined import CombinedOptimizer
 from lightscale.optim.flat_muon import FlatMuon
-from lightscale.optim.install import exact_optimizer
+from lightscale.optim.install import attach_flat, exact_optimizer
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
@@ -309,8 +310,8 @@ class ZeroStrategy(LightscaleStrategy):
             # engine holds the (replicated) weights and still loads the checkpoint's module states.
             self.config["zero_optimization"] = {"stage": 0}
         self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
-        if isinstance(optimizer, FlatMuon):
-            optimizer.attach(flat_groups(zero_optimizer(self._engine)))  # where each matrix lies in the partitions
+        if isinstance(optimizer, (FlatMuon, CombinedOptimizer)):  # where each matrix, each part's partition lies
+            attach_flat(optimizer, flat_groups(zero_optimizer(self._engine)))
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
         if scheduler is not None:

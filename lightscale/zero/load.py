@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightscale.zero.partition import fp32_partitions, master_device
+from lightscale.zero.portable import partition_group
 
 
 def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
@@ -52,12 +53,13 @@ def refresh_working_copies(zero: Any) -> None:
         zero.update_lp_params()
 
 
-def set_scalars(zero: Any, scalars: dict[str, Tensor]) -> None:
-    """Each scalar state of every flat partition, in the type the optimizer keeps it (tensor or Python number)."""
+def set_scalars(zero: Any, by_group: list[dict[str, Tensor]]) -> None:
+    """Each scalar state of every flat partition (``by_group[g]`` for group ``g``'s), in the type the optimizer keeps
+    it (tensor or Python number)."""
     inner = zero.optimizer
-    for flat in fp32_partitions(zero):
+    for index, flat in enumerate(fp32_partitions(zero)):
         state = inner.state[flat]
-        for key, value in scalars.items():
+        for key, value in by_group[partition_group(zero, index)].items():
             live = state[key]  # each partition its own tensor: optimizers count steps in place
             state[key] = (
                 value.to(live.device, live.dtype).clone() if torch.is_tensor(live) else type(live)(value.item())

@@ -107,7 +107,7 @@ def _stage12_groups(zero: Any) -> list[FlatGroup]:
         offsets = zero.round_robin_bit16_offsets[index]
         spans = tuple(_span(shape, start, size, ranks, rank) for shape, start in zip(shapes, offsets, strict=True))
         device = zero.bit16_groups_flat[index].device  # collectives run where the model's bit16 copy lives
-        groups.append(FlatGroup(partition, spans, process_group, rank, device))
+        groups.append(FlatGroup(partition, spans, process_group, rank, device, index))
     return groups
 
 
@@ -136,5 +136,6 @@ def _stage3_groups(zero: Any) -> list[FlatGroup]:
             sizes = tuple(max(0, min(numel, (r + 1) * piece) - r * piece) for r in range(ranks))
             spans.append(FlatSpan(full_shape(param), sizes, offset))
             offset += piece
-        groups.append(FlatGroup(partition, tuple(spans), process_group, rank, device))
+        group_index = int(zero.sub_group_to_group_id[index])
+        groups.append(FlatGroup(partition, tuple(spans), process_group, rank, device, group_index))
     return groups

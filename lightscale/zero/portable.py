@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -61,27 +61,45 @@ def zero_optimizer(engine: Any) -> Any | None:
 
 # ---- the optimizer's state ----------------------------------------------------------------------------------
 def optimizer_state(zero: Any) -> tuple[list[str], dict[str, Tensor]]:
-    """The inner optimizer's per-element state keys and its scalar states (as fp32 tensors), any torch optimizer.
+    """The inner optimizer's per-element state keys and its scalar states (as fp32 tensors), any torch optimizer,
+    over all its groups (:func:`group_states` gives them per group)."""
+    groups = group_states(zero)
+    scalars: dict[str, Tensor] = {}
+    for _, values in groups:
+        for key, value in values.items():
+            scalars.setdefault(key, value)
+    return sorted({key for keys, _ in groups for key in keys}), scalars
+
+
+def group_states(zero: Any) -> list[tuple[list[str], dict[str, Tensor]]]:
+    """Per optimizer group, its per-element state keys and scalar states: the same in every group of one torch
+    optimizer, a part's own in a combination (Muon's momentum, AdamW's moments and step).
 
     Links ZeRO-1/2's per-parameter views first, so ``safe_get_full_optimizer_state`` reads every key returned.
     """
     materialize_optimizer_state(zero)
     inner = zero.optimizer
-    elementwise: set[str] = set()
-    scalars: dict[str, Tensor] = {}
-    for flat in fp32_partitions(zero):
+    elementwise: list[set[str]] = [set() for _ in inner.param_groups]
+    scalars: list[dict[str, Tensor]] = [{} for _ in inner.param_groups]
+    for index, flat in enumerate(fp32_partitions(zero)):
+        group = partition_group(zero, index)
         for key, value in inner.state.get(flat, {}).items():
             if torch.is_tensor(value) and value.shape == flat.shape:
-                elementwise.add(key)
+                elementwise[group].add(key)
             elif _is_scalar(value):
-                scalars.setdefault(key, torch.as_tensor(value, dtype=torch.float32).detach().cpu().clone())
+                scalars[group].setdefault(key, torch.as_tensor(value, dtype=torch.float32).detach().cpu().clone())
             elif value is not None:
                 raise ConfigurationError(
                     f"{type(inner).__name__} keeps state {key!r} of shape {tuple(getattr(value, 'shape', ()))}, "
                     f"neither one value per element of its flat ZeRO partition {tuple(flat.shape)} nor a scalar: it "
                     "cannot be split into parameters for the portable checkpoint. Use checkpoint_format='deepspeed'."
                 )
-    return sorted(elementwise), scalars
+    return [(sorted(keys), values) for keys, values in zip(elementwise, scalars, strict=True)]
+
+
+def partition_group(zero: Any, index: int) -> int:
+    """The optimizer group flat partition ``index`` belongs to: ZeRO-1/2 make one per group, ZeRO-3 sub-groups."""
+    return int(zero.sub_group_to_group_id[index]) if hasattr(zero, "sub_group_to_group_id") else index
 
 
 def _is_scalar(value: Any) -> bool:
@@ -94,15 +112,17 @@ def _is_scalar(value: Any) -> bool:
 def zero_state_dict(engine: Any, module: nn.Module, group_names: list[list[str]]) -> dict[str, Any]:
     """This rank's share of ``{"model": ..., "optimizer": ...}`` in the portable layout (collective)."""
     optimizer = zero_optimizer(engine)
-    keys, scalars = optimizer_state(optimizer) if optimizer is not None else ([], {})
+    groups = group_states(optimizer) if optimizer is not None else []
+    group_of = {name: index for index, names in enumerate(group_names) for name in names}
     owned: dict[int, str] = {}
     model: dict[str, Tensor] = {}
     flat: dict[str, Any] = {}
     for index, (name, param) in enumerate(unique_parameters(module)):
         mine = index % _world() == _rank()
         weight = _full_weight(param, optimizer)
-        trained = optimizer is not None and param.requires_grad
-        state = {key: _full_state(param, key) for key in keys} if trained else {}
+        trained = optimizer is not None and param.requires_grad and name in group_of
+        keys = groups[group_of[name]][0] if trained else []
+        state = {key: _full_state(param, key) for key in keys}
         if mine:
             owned[id(param)] = name
             model[name] = weight
@@ -112,7 +132,7 @@ def zero_state_dict(engine: Any, module: nn.Module, group_names: list[list[str]]
             continue
         model[name] = model[owned[id(tensor)]] if id(tensor) in owned else tensor.detach().cpu().clone()
     if optimizer is not None:
-        flat.update(_group_entries(optimizer, group_names, set(owned.values()), scalars))
+        flat.update(_group_entries(optimizer, group_names, set(owned.values()), [values for _, values in groups]))
     return {"model": model, "optimizer": flat} if optimizer is not None else {"model": model}
 
 
@@ -147,11 +167,12 @@ def _gathered(param: nn.Parameter) -> Tensor:
 
 
 def _group_entries(
-    optimizer: Any, group_names: list[list[str]], owned: set[str], scalars: dict[str, Tensor]
+    optimizer: Any, group_names: list[list[str]], owned: set[str], group_scalars: list[dict[str, Tensor]]
 ) -> dict[str, Any]:
     """``state.<fqn>.<scalar>`` (step counters) and ``param_groups.<fqn>.<hyper-parameter>`` of the owned parameters."""
     entries: dict[str, Any] = {}
-    for group, names in zip(optimizer.optimizer.param_groups, group_names, strict=True):
+    groups = optimizer.optimizer.param_groups
+    for group, names, scalars in zip(groups, group_names, group_scalars, strict=True):
         settings = {key: value for key, value in group.items() if key != "params" and not key.startswith("_")}
         for name in (name for name in names if name in owned):
             entries.update({f"state.{name}.{key}": value.clone() for key, value in scalars.items()})
@@ -160,16 +181,17 @@ def _group_entries(
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
-def materialize_optimizer_state(zero: Any, elementwise: Iterable[str] = (), scalars: Iterable[str] = ()) -> None:
-    """Create the ``elementwise`` (zeros) and ``scalars`` (0) states a flat fp32 partition does not hold yet, then
-    link ZeRO-1/2's per-parameter views of every state.
+def materialize_optimizer_state(zero: Any, by_group: Sequence[tuple[Iterable[str], Iterable[str]]] = ()) -> None:
+    """Create the per-element (zeros) and scalar (0) states ``by_group[g]`` names for group ``g`` that a flat fp32
+    partition of that group does not hold yet, then link ZeRO-1/2's per-parameter views of every state.
 
     Torch optimizers create their state at the first step (Adagrad at construction); a checkpoint is loaded before
     it, and DeepSpeed's setters write into that state. The checkpoint's values then replace the zeros.
     """
     inner = zero.optimizer
     int_steps = type(inner).__name__ == "DeepSpeedCPUAdam"  # counts its steps in a Python int
-    for flat in fp32_partitions(zero) if elementwise or scalars else []:
+    for index, flat in enumerate(fp32_partitions(zero)) if by_group else []:
+        elementwise, scalars = by_group[partition_group(zero, index)]
         state = inner.state[flat]
         for key in (key for key in elementwise if key not in state):
             state[key] = torch.zeros_like(flat)

@@ -76,3 +76,23 @@ def test_state_view_follows_state_an_engine_keyed_by_other_tensors() -> None:
     flat = torch.zeros(3)
     combined.optimizers[1].state[flat] = {"exp_avg": torch.ones(3)}
     assert combined.state[flat]["exp_avg"].sum() == 3 and flat in dict(combined.state.items())
+
+
+def test_a_narrowed_param_groups_steps_only_that_group() -> None:
+    """DeepSpeed's ZeRO steps the optimizer with ``param_groups`` narrowed to one group: only that group's part
+    steps, on that group alone, and the parts keep all their groups afterwards."""
+    model = _model()
+    muon, adamw = _parts(model)
+    adamw.add_param_group({"params": [nn.Parameter(torch.ones(3))], "lr": 0.1})
+    combined = CombinedOptimizer([muon, adamw])
+    for p in (p for group in combined.param_groups for p in group["params"]):
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for group in combined.param_groups for p in group["params"]]
+    everything = combined.param_groups
+    combined.param_groups = [everything[1]]  # AdamW's first group
+    combined.step()
+    combined.param_groups = everything
+    after = [p.detach() for group in combined.param_groups for p in group["params"]]
+    changed = [not torch.equal(a, b) for a, b in zip(before, after, strict=True)]
+    assert changed == [False, False, True, True, False]  # the two matrices, the two biases, the extra vector
+    assert len(adamw.param_groups) == 2 and combined.param_groups == [*muon.param_groups, *adamw.param_groups]

@@ -865,9 +865,11 @@ CATALOGUE: list[tuple] = [
      "which are partitioned (shape (0,)) while it runs: torch's Muon refuses them when built (at setup)",
      _muon_on_zero3_partitioned, CE,
      r"configure_optimizers failed under ZeRO-3 \(ValueError: Muon only supports 2D.*Build those layers in __init__"),
-    ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under ZeRO, which rebuilds the "
-     "optimizer over its flat partitions (at setup)", lambda: _shape_dependent_under("zero2", "combined"), CE,
-     r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*one optimizer with a parameter group per part"),
+    ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under zero_infinity, which swaps "
+     "the optimizer's state to NVMe files around each step (it runs under zero1/2/3 and their offload names; at "
+     "setup)", lambda: _shape_dependent_under("zero_infinity", "combined"), CE,
+     r"CombinedOptimizer of AdamW, SGD cannot run under ZeroStrategy.*NVMe.*one optimizer with a parameter group per "
+     r"part.*zero3_offload"),
     ("optimizer-shape-user", "a user's optimizer declaring `shape_dependent = True` under fsdp2 (at setup)",
      lambda: _shape_dependent_under("fsdp2", "users"), CE,
      r"Shampoo cannot run under FSDP2Strategy.*runs exactly under: bucketed_ddp.*`shape_dependent = True`"),
