@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ class Trainer(LightningTrainer):
     machine has, and precision names without one meaning under every strategy.
 
     ``resume="auto"`` makes every ``fit`` continue from the newest complete checkpoint in the ModelCheckpoint's
-    ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins; ``fit(ckpt_path="last")`` also
-    finds the last checkpoint when ModelCheckpoint writes to an fsspec URL. See :mod:`lightscale.resume`.
+    ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins; ``fit``, ``validate``, ``test``
+    and ``predict`` with ``ckpt_path="last"`` also find the last checkpoint when ModelCheckpoint writes to an fsspec
+    URL. See :mod:`lightscale.resume`.
 
     Example:
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
@@ -94,6 +96,46 @@ class Trainer(LightningTrainer):
         ckpt_path = resolve_last(ckpt_path, self.checkpoint_callbacks)  # "last" in a bucket (Lightning cannot list it)
         ckpt_path = resolve_resume(self.resume, ckpt_path, self._resume_dir)
         super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+    # validate/test/predict answer "last" in a bucket as fit does; signatures are Lightning's (LightningCLI reads them)
+    @override
+    def validate(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+        verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
+        weights_only: bool | None = None,
+    ) -> list[Mapping[str, float]]:
+        ckpt_path = resolve_last(ckpt_path, self.checkpoint_callbacks)
+        return super().validate(model, dataloaders, ckpt_path, verbose, datamodule, weights_only)
+
+    @override
+    def test(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+        verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
+        weights_only: bool | None = None,
+    ) -> list[Mapping[str, float]]:
+        ckpt_path = resolve_last(ckpt_path, self.checkpoint_callbacks)
+        return super().test(model, dataloaders, ckpt_path, verbose, datamodule, weights_only)
+
+    @override
+    def predict(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | Path | None = None,
+        weights_only: bool | None = None,
+    ) -> list[Any] | list[list[Any]] | None:
+        ckpt_path = resolve_last(ckpt_path, self.checkpoint_callbacks)
+        return super().predict(model, dataloaders, datamodule, return_predictions, ckpt_path, weights_only)
 
 
 # torch >= 2.10 deprecates constructing ``LeafSpec``; Lightning's utilities/_pytree.py still does for each dataloader

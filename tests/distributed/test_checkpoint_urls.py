@@ -61,6 +61,9 @@ class Regressor(pl.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
@@ -325,14 +328,25 @@ def _memory_round_trip() -> tuple[list[float], list[float], list[float], list[st
     second, _ = _fit("bucketed_ddp", max_steps=STEPS, ckpt_path=f"memory://ckpts/run/step={SAVED_AT}.ckpt")
     saved = sorted(fsspec.filesystem("memory").find("/ckpts/run"))
     # Lightning's "last", answered by lightscale.Trainer for a bucket: last.ckpt (step 3), whose save finished last
-    last, _ = _fit("bucketed_ddp", max_steps=STEPS, dirpath="memory://ckpts/run", ckpt_path="last")
-    return whole, first + second, first + last, saved
+    last, weights = _fit("bucketed_ddp", max_steps=STEPS, dirpath="memory://ckpts/run", ckpt_path="last")
+    return whole, first + second, first + last, saved, _predicts_last(weights)
+
+
+def _predicts_last(weights: dict[str, torch.Tensor]) -> bool:
+    """predict(ckpt_path="last") under lightscale.Trainer reads the bucket's last.ckpt: the run's final weights."""
+    saver = ModelCheckpoint(dirpath="memory://ckpts/run")
+    trainer = quiet_trainer("bucketed_ddp", devices=1, max_steps=1, callbacks=[saver], enable_checkpointing=True)
+    predicted = torch.cat(trainer.predict(Regressor(), _loader(1), ckpt_path="last"))
+    final = Regressor()
+    final.load_state_dict(weights)
+    with torch.no_grad():
+        return torch.equal(predicted, final.net(_loader(1).dataset.tensors[0]))
 
 
 def test_memory_url_round_trip_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    whole, resumed, resumed_last, saved = run_distributed(_memory_round_trip, world_size=1)[0]
-    assert resumed == whole and resumed_last == whole
+    whole, resumed, resumed_last, saved, predicted_last = run_distributed(_memory_round_trip, world_size=1)[0]
+    assert resumed == whole and resumed_last == whole and predicted_last
     assert f"/ckpts/run/step={SAVED_AT}.ckpt/{COMPLETE}" in saved
     assert list(tmp_path.iterdir()) == []
 
