@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightscale.errors import ConfigurationError
 from lightscale.optim.flat_muon import FlatGroup, FlatSpan
 
 
@@ -90,7 +91,14 @@ def flat_groups(zero: Any) -> list[FlatGroup]:
     partitions of each parameter laid end to end per sub-group."""
     if hasattr(zero, "fp32_partitioned_groups_flat"):
         return _stage3_groups(zero)
-    return _stage12_groups(zero)
+    if hasattr(zero, "single_partition_of_fp32_groups"):
+        return _stage12_groups(zero)
+    # DeepSpeed picks BF16_Optimizer for zero1 + bf16 with data_types.grad_accum_dtype="fp32": another layout
+    raise ConfigurationError(
+        f"DeepSpeed wrapped the optimizer in {type(zero).__name__}, whose partitions lightscale cannot map to "
+        "parameters, so Muon (FlatMuon) cannot step them. DeepSpeed chooses it for zero1 with bf16 and "
+        '"data_types": {"grad_accum_dtype": "fp32"}: remove that setting, or use zero2 / zero3 / fsdp2.'
+    )
 
 
 def _stage12_groups(zero: Any) -> list[FlatGroup]:

@@ -349,6 +349,14 @@ def _muon_on_zero3_partitioned():
     _zero(stage=3)._optimizer_and_scheduler(module)
 
 
+def _muon_on_bf16_optimizer():
+    """The optimizer DeepSpeed hands lightscale for zero1 + bf16 with fp32 gradient accumulation (BF16_Optimizer,
+    stood in by a class of that name: none of ZeRO's partition attributes), as FlatMuon's set-up reads it."""
+    from lightscale.zero.partition import flat_groups
+
+    flat_groups(type("BF16_Optimizer", (), {})())
+
+
 def _shape_dependent_under(name: str, optimizer: str):
     """An optimizer whose step reads a parameter's shape, under the strategy ``name`` with its defaults (at setup)."""
     from lightning.pytorch.strategies import StrategyRegistry
@@ -865,6 +873,9 @@ CATALOGUE: list[tuple] = [
      "which are partitioned (shape (0,)) while it runs: torch's Muon refuses them when built (at setup)",
      _muon_on_zero3_partitioned, CE,
      r"configure_optimizers failed under ZeRO-3 \(ValueError: Muon only supports 2D.*Build those layers in __init__"),
+    ("optimizer-muon-bf16-optimizer", "Muon under zero1 with bf16 and `data_types.grad_accum_dtype=\"fp32\"`, for "
+     "which DeepSpeed builds its BF16_Optimizer (at setup)", _muon_on_bf16_optimizer, CE,
+     r"wrapped the optimizer in BF16_Optimizer.*grad_accum_dtype.*remove that setting, or use zero2"),
     ("optimizer-combined-zero", "a CombinedOptimizer (even of elementwise parts) under zero_infinity, which swaps "
      "the optimizer's state to NVMe files around each step (it runs under zero1/2/3 and their offload names; at "
      "setup)", lambda: _shape_dependent_under("zero_infinity", "combined"), CE,
