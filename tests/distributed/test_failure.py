@@ -182,7 +182,7 @@ def stuck_in_user_code():
 
 
 trainer = lightscale.Trainer(
-    strategy=BucketedDDPStrategy(timeout_s=30), accelerator="cpu", devices=2, max_steps=6,
+    strategy=BucketedDDPStrategy(timeout_s=12), accelerator="cpu", devices=2, max_steps=6,
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 )
 trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
@@ -203,6 +203,6 @@ def test_a_stalled_rank_reports_where_it_is_stuck_and_the_run_ends(tmp_path: Pat
     )
     assert result.returncode != 0
     report = result.stderr[result.stderr.index("lightscale: ending rank 1 because rank 0 raised") :]
-    assert "[train, step 2; a collective timed out after 30 s" in report  # the stage, step, cause
+    assert "[train, step 2; a collective timed out after 12 s" in report  # the stage, step, cause
     assert "rank 1 was here when it was ended" in report
     assert "in stuck_in_user_code" in report, report[-3000:]
