@@ -4,8 +4,9 @@ gradients (qgZ) and secondary shards (hpZ).
 ========================  ==================================================================================
 option                    what goes on the wire
 ========================  ==================================================================================
-``weights="int8"``        each all-gather sends int8 values and one fp32 scale per 256 of a parameter (symmetric),
-                          dequantized into the compute dtype on arrival (``set_custom_all_gather``)
+``weights="int8"``        each all-gather sends int8 values and one fp32 scale per 256 of a parameter (symmetric,
+                          stochastic rounding: unbiased), dequantized into the compute dtype on arrival
+                          (``set_custom_all_gather``)
 ``gradients="int8"``      each reduce-scatter becomes an all-to-all of int8 values + fp32 scales per 256; every
 ``gradients="int4"``      rank dequantizes what it received and sums in fp32 (``set_custom_reduce_scatter``);
                           int4 packs two values per byte
