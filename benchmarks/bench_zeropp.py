@@ -54,6 +54,7 @@ VARIANTS = {  # --trainer.strategy values: a registered name, or the class with 
     ),
     "fsdp2 bf16 gradients": json.dumps({"class_path": FSDP2, "init_args": {"compression": "bf16"}}),  # for scale
 }
+LIGHTSCALE = str(Path(sys.executable).with_name("lightscale"))  # the console script (Lightning's launcher re-runs it)
 LINK_VARIANTS = {"fsdp2": {}, "zeropp int8/int8": {"quantized_weights": "int8", "quantized_gradients": "int8"}}
 
 
@@ -93,13 +94,15 @@ def _train(name: str, steps: int, bytes_per_second: float | None, cache: str, se
 def fit_from_cli(strategy: str, steps: int, out: Path) -> tuple[list[float], float]:
     """The user's command with ``strategy``; rank 0's logged train loss of every step and the final val loss."""
     command = [
-        sys.executable, "-c", "from lightscale.cli import main; main()", "fit", "--config", "gpt/tiny_ddp.yaml",
+        LIGHTSCALE, "fit", "--config", "gpt/tiny_ddp.yaml",
         "--trainer.strategy", strategy, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
         "--trainer.check_val_every_n_epoch", "null", "--trainer.log_every_n_steps", "1",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} ended with {done.returncode}:\n{done.stderr[-3000:]}")
     train: dict[int, float] = {}
     val = float("nan")
     for row in csv.DictReader(next(out.rglob("metrics.csv")).open()):
