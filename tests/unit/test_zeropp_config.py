@@ -60,16 +60,35 @@ def test_float8_refused_with_zeropp() -> None:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("numel", [1, 255, 256, 1000])
-def test_round_trip_within_half_a_step_and_exact_size(bits: int, numel: int) -> None:
+def test_round_trip_within_one_step_and_exact_size(bits: int, numel: int) -> None:
     rows = torch.randn(3, numel) * torch.tensor([[1.0], [1e-3], [0.0]])  # an all-zero row stays zero
     wire = quantize_rows(rows, bits)
     assert wire.dtype == torch.uint8 and wire.shape == (3, wire_bytes(numel, bits))
     assert wire_bytes(numel, bits) == math.ceil(numel * bits / 8) + 4 * math.ceil(numel / BLOCK)
     back = dequantize_rows(wire, numel, bits)
     padded = torch.nn.functional.pad(rows, (0, -numel % BLOCK)).view(3, -1, BLOCK)
-    half_step = (padded.abs().amax(-1, keepdim=True) / (2**bits - 2)).expand_as(padded).reshape(3, -1)[:, :numel]
-    assert torch.all((back - rows).abs() <= half_step * (1 + 1e-6))
+    step = (padded.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)).expand_as(padded).reshape(3, -1)[:, :numel]
+    assert torch.all((back - rows).abs() <= step * (1 + 1e-6))  # stochastic rounding: within one step
     assert torch.equal(back[2], rows[2])
+    assert torch.equal(quantize_rows(rows, bits), wire)  # the same values round the same way (forward = backward)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rounding_is_unbiased_for_values_below_half_a_step(bits: int) -> None:
+    # Issue 39 item 7: round-to-nearest sent every entry below half a step as 0, step after step (a gradient entry
+    # that never reached the optimizer, a weight update invisible until it crossed a level); fsdp2_zeropp learned 15 %
+    # worse than fsdp2 at 600 steps. Over K versions of a row whose largest entry (the step) moves a little each time,
+    # the mean of each small entry's dequantized value must be its true value. With rounding noise u uniform, each
+    # entry is 0 or one step with P(step) = 0.1, so the mean of K * 255 of them has standard deviation
+    # step * sqrt(0.09 / (K * 255)) = 0.0023 steps at K = 64: the bound 0.02 steps is ~9 of those (the hash is
+    # deterministic, so this holds or fails the same way on every machine). Round-to-nearest gives 0: off by 0.1.
+    qmax, count = 2 ** (bits - 1) - 1, 64
+    rows = torch.full((count, BLOCK), 0.1)
+    rows[:, 0] = qmax * (1 + 1e-3 * torch.arange(count))  # step = rows[:, 0] / qmax: ~1
+    step = rows[:, :1] / qmax
+    back = dequantize_rows(quantize_rows(rows, bits), BLOCK, bits)
+    mean_in_steps = (back[:, 1:] / step).mean()
+    assert abs(mean_in_steps - 0.1 / step.mean()) < 0.02, mean_in_steps.item()
 
 
 # ---- zero3: the same arguments passed through to DeepSpeed's ZeRO++ ----------------------------------------------
@@ -129,4 +148,4 @@ def test_blocks_restart_at_each_parameter() -> None:
     wire = quantize_rows(rows, 8, (100, 300))
     assert wire.shape[1] == wire_bytes(400, 8, (100, 300)) == 400 + 4 * (1 + 2)
     apart = (dequantize_rows(wire, 400, 8, (100, 300)) - rows)[:, 100:].abs().max()
-    assert apart <= 0.01 / 254 * (1 + 1e-6) < mixed
+    assert apart < 0.01 / 127 * (1 + 1e-6) < mixed
