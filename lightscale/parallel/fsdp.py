@@ -9,6 +9,9 @@ A model built on the meta device is materialized shard by shard (:func:`material
 rank re-draws one module's full tensors at a time with the same generator, in construction order, and keeps
 its own slice, so the values equal single-device init with the same seed and no rank ever holds the model.
 
+0-dimensional parameters (a learnable temperature) cannot be cut along dimension 0: they stay whole on every rank,
+outside FSDP, and their gradients are averaged over the mesh (lightscale/parallel/scalar_params.py).
+
 Example:
     >>> mesh = init_device_mesh("cpu", (2,))
     >>> apply_fsdp(model, mesh, unit_classes=("TransformerBlock",))
@@ -28,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightscale.errors import ConfigurationError
+from lightscale.parallel.scalar_params import ScalarGradients, scalar_parameters, set_scalar_sync
 from lightscale.parallel.ties import retie, tied_parameters
 
 
@@ -62,17 +66,6 @@ def find_units(model: nn.Module, unit_classes: Sequence[str]) -> list[nn.Module]
 
 def contains_module(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
-
-
-def check_shardable(model: nn.Module, *, engine: str) -> None:
-    """Raise a ConfigurationError for 0-dimensional parameters, which sharding engines cut along dim 0 and refuse
-    with an unhelpful message (FSDP2: "doesn't support scalar parameters"; DeepSpeed: a view error)."""
-    scalars = [name for name, p in model.named_parameters() if p.ndim == 0]
-    if scalars:
-        raise ConfigurationError(
-            f"{engine} shards parameters along their first dimension; {scalars} are 0-dimensional. Give them shape "
-            "[1] (e.g. nn.Parameter(torch.tensor([1.5])) instead of torch.tensor(1.5)), or use bucketed_ddp."
-        )
 
 
 def infer_units(model: nn.Module) -> list[nn.Module]:
@@ -121,11 +114,16 @@ def apply_fsdp(
     chosen = list(units) if units is not None else find_units(model, unit_classes)
     common = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     common["offload_policy"] = offload_policy or OffloadPolicy()
-    if ignored_params:  # e.g. expert-parallel experts: sharded over other ranks than the dense part
-        common["ignored_params"] = ignored_params
+    # Expert-parallel experts are sharded over other ranks than the dense part; 0-dimensional parameters cannot be
+    # sharded: kept whole on every rank, their gradients averaged over the mesh (lightscale/parallel/scalar_params.py).
+    scalars = scalar_parameters(model)
+    if ignored_params or scalars:
+        common["ignored_params"] = set(ignored_params or ()) | scalars
     for unit in reversed(chosen):  # bottom-up; order does not change grouping, only hook registration
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, reshard_after_forward=root_reshard_after_forward, **common)
+    if scalars:
+        ScalarGradients(model, mesh)
     return model
 
 
@@ -134,9 +132,11 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn FSDP's gradient reduce-scatter (and HSDP all-reduce) on or off for every unit of ``model``."""
+    """Turn FSDP's gradient reduce-scatter (and HSDP all-reduce) on or off for every unit of ``model``, and the
+    all-reduce of its 0-dimensional parameters' gradients."""
     for module in fsdp_modules(model):
         module.set_requires_gradient_sync(enabled, recurse=False)
+    set_scalar_sync(model, enabled)
 
 
 @contextmanager

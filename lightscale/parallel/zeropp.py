@@ -288,13 +288,14 @@ def _matching(segments: Segments | None, numel: int) -> Segments | None:
 
 def shard_segments(module: FSDPModule, shards: int) -> Segments:
     """Each parameter's padded shard length in the order FSDP lays out ``module``'s flat buffers: its own parameters
-    (those of nested units excluded), dim 0 padded to a multiple of ``shards`` (``fully_shard``'s layout)."""
+    (those of nested units and 0-dimensional ones, which FSDP ignores, excluded), dim 0 padded to a multiple of
+    ``shards`` (``fully_shard``'s layout)."""
     nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
               for p in sub.parameters()}  # fmt: skip
     seen: set[int] = set()
     lengths = []
     for param in module.parameters():
-        if id(param) in nested or id(param) in seen:
+        if id(param) in nested or id(param) in seen or param.ndim == 0:  # 0-dim: kept whole, outside FSDP
             continue
         seen.add(id(param))
         lengths.append(math.ceil(param.shape[0] / shards) * math.prod(param.shape[1:]))

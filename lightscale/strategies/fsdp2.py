@@ -39,7 +39,6 @@ from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import (
-    check_shardable,
     contains_module,
     materialize_meta_module,
     no_gradient_sync,
@@ -237,7 +236,6 @@ class FSDP2Strategy(LightscaleStrategy):
         manual optimization each child network instead (lightscale/parallel/contract.py data_parallel_roots)."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
-        check_shardable(module, engine="FSDP2")
         self._roots = data_parallel_roots(module, strategy=type(self).__name__)  # refused before any work
         is_meta = any(p.is_meta for p in module.parameters())
         device = torch.device("cpu") if self.offload else self.root_device

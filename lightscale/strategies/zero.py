@@ -32,7 +32,6 @@ from lightscale.optim.combined import CombinedOptimizer
 from lightscale.optim.flat_muon import FlatMuon
 from lightscale.optim.install import attach_flat, exact_optimizer
 from lightscale.optim.rule import ParameterView
-from lightscale.parallel.fsdp import check_shardable
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
 from lightscale.plugins.fsdp_precision import precision_name
@@ -72,6 +71,7 @@ from lightscale.zero.engine import (
     rebind_scheduler,
     refuse_moe,
     require_deepspeed,
+    scalars_as_vectors,
     silence_deepspeed_noise,
 )
 from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
@@ -288,7 +288,6 @@ class ZeroStrategy(LightscaleStrategy):
             compression=self.compression,
         )
         fitting = trainer.state.fn == TrainerFn.FITTING
-        check_shardable(self.lightning_module, engine="DeepSpeed ZeRO")
         refuse_moe(self.lightning_module)
         if not fitting and self._engine_wraps(self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
@@ -376,13 +375,15 @@ class ZeroStrategy(LightscaleStrategy):
         import deepspeed
 
         parameters = [p for p in module.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(
-            model=EngineRoot(module),
-            model_parameters=parameters if optimizer is not None else None,
-            optimizer=optimizer,
-            config=self.config,
-            dist_init_required=False,
-        )
+        stage = self.config["zero_optimization"]["stage"]
+        with scalars_as_vectors(module, stage=stage):  # DeepSpeed cannot start with 0-dim parameters; users keep them
+            engine, *_ = deepspeed.initialize(
+                model=EngineRoot(module),
+                model_parameters=parameters if optimizer is not None else None,
+                optimizer=optimizer,
+                config=self.config,
+                dist_init_required=False,
+            )
         replace_checkpoint_engine(engine, safe_checkpoint_engine)  # resume loads weights-only
         return engine
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -20,7 +22,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
 from lightscale.patches.deepspeed import name_cpu_accelerator
-from lightscale.zero.partition import is_partitioned
+from lightscale.zero.partition import is_partitioned, set_full_shape
 
 
 def require_deepspeed() -> None:
@@ -67,6 +69,44 @@ def not_a_boundary(engine: Any):
         yield
     finally:
         engine.set_gradient_accumulation_boundary(True)
+
+
+@contextmanager
+def scalars_as_vectors(module: nn.Module, *, stage: int) -> Iterator[None]:
+    """Start a DeepSpeed engine over ``module`` whose 0-dimensional parameters (a learnable temperature) keep that
+    shape for the user.
+
+    DeepSpeed sends each parameter as bytes while it starts (``p.data.view(torch.uint8)``: the engine's broadcast of
+    rank 0's weights, and ZeRO-3's partitioning), which a 0-dimensional tensor refuses. Every rank first takes rank
+    0's value of each such parameter (a plain broadcast). Then:
+        * ZeRO-3: while the engine starts they are viewed as shape ``[1]`` (same storage, one element), so DeepSpeed
+          partitions them like any other; after, their full shape ``ds_shape`` (what each gather restores,
+          lightscale/zero/partition.py) is set back to ``[]``.
+        * ZeRO-0/1/2: the engine's broadcast skips parameters marked ``ds_optim_param`` (its OptimizedLinear's own
+          shards; the mark means nothing else unless OptimizedLinear offload is configured), so they carry it only
+          while the engine starts. Their shape never changes: the gradient hooks ZeRO-1/2 register record it.
+    The engine otherwise only counts elements (one, either way); forward, ``state_dict`` and every checkpoint see
+    the user's shape.
+    """
+    scalars = [p for p in module.parameters() if p.ndim == 0]
+    if dist.is_initialized():
+        for param in scalars:
+            dist.broadcast(param.data, src=0)
+    for param in scalars:
+        if stage == 3:
+            param.data = param.data.view(1)
+        else:
+            param.ds_optim_param = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for param in scalars:
+            if is_partitioned(param):
+                set_full_shape(param, torch.Size([]))
+            if param.data.shape == (1,):  # a gathered (persistent) ZeRO-3 parameter
+                param.data = param.data.view(())
+            if hasattr(param, "ds_optim_param"):
+                del param.ds_optim_param
 
 
 @contextmanager

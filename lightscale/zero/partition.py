@@ -39,6 +39,12 @@ def full_shape(tensor: Tensor) -> torch.Size:
     return torch.Size(tensor.ds_shape)  # type: ignore[attr-defined]
 
 
+def set_full_shape(tensor: Tensor, shape: torch.Size) -> None:
+    """Give a ZeRO-3 parameter of the same number of elements another full shape: what it is gathered to."""
+    assert shape.numel() == full_numel(tensor), (shape, full_numel(tensor))
+    tensor.ds_shape = shape  # type: ignore[attr-defined]
+
+
 def full_numel(tensor: Tensor) -> int:
     return int(tensor.ds_numel)  # type: ignore[attr-defined]
 

@@ -135,6 +135,7 @@ def test_lightning_strategies_redirect_forward() -> None:  # FSDP roots enter tr
     [
         ("self._config", "ZeRO: its checkpoint engine is rebuilt weights-only from engine._config"),
         ("self.optimizer._restore_from_bit16_weights()", "ZeRO-3 evaluation stubs it on the offload stand-in"),
+        ("elif hasattr(p, 'ds_optim_param'):", "ZeRO-0/1/2: 0-dim parameters skip the start-up broadcast by this mark"),
     ],
 )
 def test_deepspeed_engine_internals(pattern: str, used_for: str) -> None:
@@ -177,6 +178,16 @@ def test_zero3_flat_layout_attributes(attribute: str) -> None:  # lightscale/zer
     assert f"self.{attribute}" in source, f"ZeRO-3 no longer keeps {attribute}: flat_groups reads the layout from it"
     assert "start = start + src.ds_numel" in source  # each parameter's partition laid end to end in a sub-group
     assert "def partition_numel" in inspect.getsource(Init)  # the per-rank piece, ceil(numel / ranks)
+
+
+def test_zero3_gathers_to_ds_shape() -> None:  # lightscale/zero/engine.py scalars_as_vectors sets it back to []
+    import inspect
+
+    from deepspeed.runtime.zero import partition_parameters
+
+    source = inspect.getsource(partition_parameters)
+    assert "param.ds_shape = param.shape" in source and ".view(param.ds_shape)" in source
+    assert "dist.broadcast(param.data.view(torch.uint8)" in source  # why 0-dim parameters start as [1]
 
 
 def test_zero_to_fp32_loads_through_its_torch_global() -> None:  # export swaps that global for weights-only loads

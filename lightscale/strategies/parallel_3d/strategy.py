@@ -41,7 +41,7 @@ from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import data_parallel_roots, sharding_units
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
-from lightscale.parallel.fsdp import check_shardable, contains_module
+from lightscale.parallel.fsdp import contains_module
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
@@ -274,8 +274,6 @@ class Parallel3DStrategy(LightscaleStrategy):
             check_context_parallel_moe(module, cp=self.cp)
             group = context_parallel_group(self.device_mesh)
             self.context_parallel = ContextParallelStep(module, group, mode=self.cp_mode)
-        if self.dims.fsdp_size > 1:
-            check_shardable(module, engine="FSDP2 (parallel_3d's data-parallel dimension)")
         broadcast_module_state(module)  # every rank starts from rank 0's weights
         if self.dims.pp_enabled:
             self.pipelined = build_pipeline(self, module, module.model)
