@@ -27,6 +27,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
@@ -154,6 +155,11 @@ class ProcessStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, DTensor):
+            # A value computed from sharded parameters or gradients (``self.log("grad_norm", p.grad.norm(),
+            # sync_dist=True)`` under FSDP2 or tensor parallelism): its whole value on every rank, as one process has
+            # it, then reduced like any other (c10d has no rule for a DTensor).
+            tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
