@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.runtime.barrier import barrier
-from lightscale.runtime.failure import announce_failure, is_timeout, watch_for_failures
+from lightscale.runtime.failure import is_timeout, record_failure, watch_for_failures
 from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
 from lightscale.runtime.launch import Launcher, exit_with_launcher, restart_safe_store
 
@@ -166,7 +166,8 @@ class ProcessStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
+        # Recorded, not yet announced: the script may handle it on every rank (lightscale/runtime/failure.py).
+        record_failure(self.global_rank, exception, where=self._failure_context(exception))
 
     def _failure_context(self, exception: BaseException) -> str:
         # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
