@@ -80,6 +80,7 @@ class _Pending:
     report: str  # its traceback, taken while the frames from the program's entry were live
     count: int  # this rank's n-th failure: RAISED_KEY/<n> counts the ranks that raised with it
     since: float
+    shared: bool = False  # every rank raised it (known once PENDING_S passed): nobody waits for this rank
 
 
 _pending: list[_Pending] = []
@@ -180,10 +181,14 @@ def report_escaped(rank: int, error: BaseException) -> None:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     if pending is not None and any(link is pending.error for link in chain):
-        report = pending.report if error is pending.error else None
-        announce_failure(rank, error, where=pending.where, report=report)
+        # Raised from it (or while handling it, e.g. in teardown): the summary names the error that left fit, the
+        # traceback is the whole chain Python would print.
+        report = pending.report if error is pending.error else rank_traceback(rank, error)
+        announce_failure(rank, pending.error, where=pending.where, report=report)
     else:
         announce_failure(rank, error)
+    if _printed:
+        _printed[:] = [error]  # printed: Python's own report of it is skipped
 
 
 def _unshared(pending: _Pending, store: dist.Store) -> bool:
@@ -196,7 +201,7 @@ def settle_failures(*, wait_s: float = PENDING_S) -> None:
     announced, after waiting up to ``wait_s`` from when it was recorded for that rank to raise too."""
     pending = _pending[0] if _pending else None
     store = _store()
-    if pending is None or store is None or _failed_here.is_set():
+    if pending is None or pending.shared or store is None or _failed_here.is_set():
         return
     with contextlib.suppress(Exception):
         deadline = pending.since + wait_s
@@ -253,9 +258,11 @@ def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
     while not _exiting.wait(interval_s) and not _failed_here.is_set():  # its own error: this rank is unwinding
         try:
             pending = _pending[0] if _pending else None
-            if pending is not None and time.monotonic() - pending.since > PENDING_S and _unshared(pending, store):
-                announce_failure(pending.rank, pending.error, where=pending.where, report=pending.report)
-                return
+            if pending is not None and not pending.shared and time.monotonic() - pending.since > PENDING_S:
+                if _unshared(pending, store):  # a rank is still waiting for this one
+                    announce_failure(pending.rank, pending.error, where=pending.where, report=pending.report)
+                    return
+                pending.shared = True  # every rank raised it: the script's to handle, nobody waits
             if not store.check([FAILURE_KEY]):
                 continue
             message = store.get(FAILURE_KEY).decode()

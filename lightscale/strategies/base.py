@@ -51,6 +51,7 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
+from lightscale.parallel.fsdp import fsdp_modules
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
@@ -374,6 +375,10 @@ class LightscaleStrategy(CheckpointingStrategy):
             self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
+            for unit in fsdp_modules(lightning_module):
+                # A step that raised inside an FSDP2 root's forward left its parameters unsharded: Lightning's
+                # teardown (module.cpu()) would raise over the user's error, which the script may be catching.
+                unit.reshard()
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)

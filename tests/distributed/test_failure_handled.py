@@ -54,6 +54,8 @@ try:
     trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
 except Pruned as error:
     print(f"handled on rank {{trainer.global_rank}}: {{error}}", flush=True)
+    if RAISING == "every":
+        trainer.strategy.barrier()  # the ranks go on together, as the next trial's fit would
 """
 
 
