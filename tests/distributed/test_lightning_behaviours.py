@@ -62,6 +62,7 @@ class GradNorm(pl.LightningModule):
         self.layer = nn.Linear(4, 3)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.batch = batch  # which samples this rank drew (the sampler shuffles): the one-process reference's batch
         self.log("weight_norm", self.layer.weight.norm(), sync_dist=True, on_step=False, on_epoch=True)
         return (self.layer(batch[0]) - batch[1]).pow(2).mean()
 
@@ -73,20 +74,19 @@ class GradNorm(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _log(name: str) -> dict[str, float]:
+def _log(name: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    trainer = _trainer(STRATEGIES[name](), max_steps=1)
-    trainer.fit(GradNorm(), DataLoader(_data(), batch_size=BATCH))
-    return {key: float(value) for key, value in trainer.callback_metrics.items()}
+    trainer, model = _trainer(STRATEGIES[name](), max_steps=1), GradNorm()
+    trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
+    return {"logged": {key: float(value) for key, value in trainer.callback_metrics.items()}, "batch": model.batch}
 
 
-def _one_process_norms() -> dict[str, float]:
-    """The first step in this process: the gradient of the mean loss over both ranks' batches (the first 2 x BATCH
-    samples), and the weight before the step (the epoch's mean over one step)."""
+def _one_process_norms(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """The first step in this process: the gradient of the mean loss over both ranks' batches (one global batch),
+    and the weight before the step (the epoch's mean over one step)."""
     torch.manual_seed(0)
     model = GradNorm()
-    inputs, targets = _data().tensors
-    (model.layer(inputs[: 2 * BATCH]) - targets[: 2 * BATCH]).pow(2).mean().backward()
+    (model.layer(inputs) - targets).pow(2).mean().backward()
     assert model.layer.weight.grad is not None
     return {"grad_norm": float(model.layer.weight.grad.norm()), "weight_norm": float(model.layer.weight.norm())}
 
@@ -162,9 +162,10 @@ def ranks() -> list[dict[str, Any]]:
 def test_sync_dist_of_a_value_computed_from_sharded_parameters_equals_one_process(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
-    expected = _one_process_norms()
+    batches = [rank["logged"][name]["batch"] for rank in ranks]
+    expected = _one_process_norms(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     for rank in ranks:
-        logged = rank["logged"][name]
+        logged = rank["logged"][name]["logged"]
         assert logged["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6), logged
         assert logged["weight_norm"] == pytest.approx(expected["weight_norm"], rel=1e-6), logged
 
@@ -180,7 +181,7 @@ def test_a_dataloader_subclass_built_in_the_hook_trains_every_sample_once(
 
 @pytest.mark.parametrize("name", SWA_RUNS)
 def test_stochastic_weight_averaging_runs_where_parameters_are_whole(ranks: list[dict[str, Any]], name: str) -> None:
-    assert all(rank["swa"][name] == "averaged 2" for rank in ranks), [rank["swa"][name] for rank in ranks]
+    assert all(rank["swa"][name] == "averaged 3" for rank in ranks), [rank["swa"][name] for rank in ranks]
 
 
 @pytest.mark.parametrize("name", SWA_REFUSED)
