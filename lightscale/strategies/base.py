@@ -37,7 +37,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -51,7 +51,7 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
-from lightscale.parallel.fsdp import fsdp_modules
+from lightscale.parallel.fsdp import reset_interrupted_roots
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
@@ -375,10 +375,9 @@ class LightscaleStrategy(CheckpointingStrategy):
             self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
-            for unit in fsdp_modules(lightning_module):
-                # A step that raised inside an FSDP2 root's forward left its parameters unsharded: Lightning's
-                # teardown (module.cpu()) would raise over the user's error, which the script may be catching.
-                unit.reshard()
+            trainer = lightning_module._trainer
+            if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+                reset_interrupted_roots(self._roots)
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
