@@ -174,6 +174,15 @@ def announce_failure(
 def report_escaped(rank: int, error: BaseException) -> None:
     """``error`` escapes this rank's program (the excepthook; a test harness's rank): announce it, with the report
     and place recorded when it left ``fit`` if it is that error or was raised from it."""
+    if _failed_here.is_set():
+        return  # announced already, or being ended
+    store = _store()
+    with contextlib.suppress(Exception):
+        if store is not None and store.check([FAILURE_KEY]):  # another rank announced first: this error follows it
+            message = store.get(FAILURE_KEY).decode()
+            store.add(SEEN_KEY, 1)
+            _failed_here.set()
+            _end(rank, message)  # as the watcher would have, had it polled before this rank's collective broke
     pending = _pending[0] if _pending else None
     chain: list[BaseException] = []
     cause: BaseException | None = error
