@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightscale.runtime.failure import EXIT_CODE
+from lightscale.runtime.failure import EXIT_CODE, report_escaped, settle_failures
 
 
 class RankFailed(RuntimeError):
@@ -145,9 +145,11 @@ def _rank_main(
         )
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
         results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
-    except BaseException:
+    except BaseException as error:
+        report_escaped(rank, error)  # escapes the rank's program: the ranks waiting for it are told
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        settle_failures()  # a failure ``fn`` handled while another rank waits for it (os._exit skips atexit)
         if dist.is_initialized():
             dist.destroy_process_group()
         results.close()

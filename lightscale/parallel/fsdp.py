@@ -131,6 +131,22 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+def reset_interrupted_roots(roots: Sequence[nn.Module]) -> None:
+    """After an exception inside a step: every FSDP2 root back to its sharded parameters and an idle state, as torch's
+    ``reset_iter_state`` does (torch >= 2.13; older torch: ``reshard``, which leaves a root that raised mid-forward
+    unsharded). A step that raised inside a root's forward left its parameters unsharded, and Lightning's teardown
+    (``module.cpu()``) would then raise over the user's error, which the script may be catching."""
+    for root in roots:
+        if not isinstance(root, FSDPModule):
+            continue
+        reset = getattr(root, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+        else:
+            for unit in fsdp_modules(root):
+                unit.reshard()
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Turn FSDP's gradient reduce-scatter (and HSDP all-reduce) on or off for every unit of ``model``, and the
     all-reduce of its 0-dimensional parameters' gradients."""

@@ -14,11 +14,13 @@ from typing import Any
 
 import lightning.fabric.plugins.io.torch_io as torch_io
 import lightning.pytorch.core.saving as saving
+from lightning.fabric.utilities.data import _replace_dunder_methods
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from torch.utils.data import BatchSampler, DataLoader
 
 from lightscale.patches.table import Patch
 
@@ -108,6 +110,19 @@ PATCHES = [
             ),
         ),
         attributes=("lightning.pytorch.trainer.trainer:Trainer", ("_results",)),
+    ),
+    Patch(
+        "Trainer._data_connector._prepare_dataloader",
+        "instance",
+        "Lightning re-creates a user's DataLoader (a subclass with its own constructor arguments too) with its "
+        "DistributedSampler outside the context that records constructor arguments; the strategy then re-creates "
+        "that copy with its ExactlyOnceSampler and needs them: the re-creation runs inside Lightning's own context",
+        "Lightning re-creating loaders inside _replace_dunder_methods, or a strategy hook choosing the sampler",
+        signature=(
+            "lightning.pytorch.trainer.connectors.data_connector:_DataConnector._prepare_dataloader",
+            ("self", "dataloader", "shuffle", "mode"),
+        ),
+        attributes=("lightning.pytorch.trainer.trainer:Trainer", ("_data_connector",)),
     ),
     Patch(
         "Trainer._accelerator_connector.strategy",
@@ -202,6 +217,24 @@ def logged_values_synced(trainer: Trainer, reduce: Callable[..., Any], group: An
         yield
     finally:
         del results.log  # the method again
+
+
+def recreated_loaders_keep_their_arguments(trainer: Trainer) -> None:
+    """The loaders Lightning re-creates for ``trainer`` (its DistributedSampler injected) record their constructor
+    arguments, as the user's loader did inside ``*_dataloader()``, so the strategy can re-create them once more (see
+    ``PATCHES``). Idempotent: one wrapper per trainer, however many fits."""
+    connector = trainer._data_connector
+    prepare = connector._prepare_dataloader
+    if getattr(prepare, _MARK, False):
+        return
+
+    @functools.wraps(prepare)
+    def recorded(*args: Any, **kwargs: Any) -> object:
+        with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+            return prepare(*args, **kwargs)
+
+    setattr(recorded, _MARK, True)
+    connector._prepare_dataloader = recorded  # type: ignore[method-assign]
 
 
 def hand_over_strategy(trainer: Trainer, connected: ParallelStrategy, chosen: ParallelStrategy) -> None:

@@ -27,11 +27,12 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.runtime.barrier import barrier
-from lightscale.runtime.failure import announce_failure, is_timeout, watch_for_failures
+from lightscale.runtime.failure import is_timeout, record_failure, watch_for_failures
 from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
 from lightscale.runtime.launch import Launcher, exit_with_launcher, restart_safe_store
 
@@ -154,13 +155,19 @@ class ProcessStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, DTensor):
+            # A value computed from sharded parameters or gradients (``self.log("grad_norm", p.grad.norm(),
+            # sync_dist=True)`` under FSDP2 or tensor parallelism): its whole value on every rank, as one process has
+            # it, then reduced like any other (c10d has no rule for a DTensor).
+            tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        announce_failure(self.global_rank, exception, where=self._failure_context(exception))  # not at the timeout
+        # Recorded, not yet announced: the script may handle it on every rank (lightscale/runtime/failure.py).
+        record_failure(self.global_rank, exception, where=self._failure_context(exception))
 
     def _failure_context(self, exception: BaseException) -> str:
         # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".

@@ -37,7 +37,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -51,13 +51,19 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
+from lightscale.parallel.fsdp import reset_interrupted_roots
 from lightscale.parallel.mesh import ParallelDims
+from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
 from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.strategies.names import REGISTERED
-from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
+from lightscale.strategies.weight_averaging import (
+    adopt_weight_averaging,
+    local_shards,
+    refuse_stochastic_weight_averaging,
+)
 
 log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
@@ -204,6 +210,12 @@ class LightscaleStrategy(CheckpointingStrategy):
         return maybe_track_trained_position(loader, training=trainer.training)
 
     @property
+    def runs_stochastic_weight_averaging(self) -> bool:
+        """Whether Lightning's ``StochasticWeightAveraging`` callback runs: every rank holds whole plain parameters
+        and steps them with a torch optimizer (else it is refused before training, naming ``WeightAveraging``)."""
+        return False
+
+    @property
     def trains_short_batches(self) -> bool:
         """Whether a training batch may be smaller than the others (an epoch's last); a pipeline runs one shape."""
         return True
@@ -229,6 +241,11 @@ class LightscaleStrategy(CheckpointingStrategy):
         self._dims = self.parallel_dims(self.world_size)  # validate the layout before any model work
         self._batch_agreement = BatchAgreement(self._dims, every=self.check_batches_every)
         trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # a user's DataLoader subclass re-created twice: Lightning's sampler, then ours
+            recreated_loaders_keep_their_arguments(trainer)
+            refuse_stochastic_weight_averaging(
+                trainer, type(self).__name__, runs_it=self.runs_stochastic_weight_averaging
+            )
         for callback in trainer.checkpoint_callbacks if trainer is not None else []:
             if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
                 self.check_checkpoint_dir(callback.dirpath)
@@ -358,6 +375,9 @@ class LightscaleStrategy(CheckpointingStrategy):
             self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
+            trainer = lightning_module._trainer
+            if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+                reset_interrupted_roots(self._roots)
             self.model = lightning_module  # drop wrappers; hooks are removed by the subclass
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)

@@ -66,6 +66,11 @@ class BucketedDDPStrategy(LightscaleStrategy):
     }
     plannable = (Plannable("bucketed_ddp", "2Ψ", "replicated states, one all-reduce of the gradients"),)
 
+    @property
+    @override
+    def runs_stochastic_weight_averaging(self) -> bool:
+        return True  # whole parameters, the user's torch optimizer
+
     @override
     def memory_layout(self, world_size: int) -> Layout:
         """Every state replicated on every rank."""

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -44,6 +44,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightscale.checkpoint.averaged import AVERAGED, AVERAGED_META
 from lightscale.checkpoint.portable import read_checkpoint
+from lightscale.errors import ConfigurationError
 from lightscale.patches.lightning import give_weight_averaging, weight_averaging_settings
 from lightscale.runtime.collectives import all_gather_single
 
@@ -201,6 +202,24 @@ def drop_average(checkpoint: dict[str, Any], why: str) -> None:
 
 
 # ---- Lightning's callback, routed through the shards ---------------------------------------------------------------
+def refuse_stochastic_weight_averaging(trainer: Trainer, strategy: str, *, runs_it: bool) -> None:
+    """Refuse Lightning's ``StochasticWeightAveraging`` before training where it cannot run (``runs_it`` False): it
+    copies the whole unsharded model, zips its parameters with the live ones (FSDP2's DTensors, ZeRO's partitions)
+    and puts ``SWALR`` on the optimizer (DeepSpeed's is not a torch Optimizer). Lightning refuses it under its own
+    FSDP and DeepSpeed strategies; ``WeightAveraging`` (the same equal average) runs on the shards here."""
+    if runs_it or not any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+        return
+    raise ConfigurationError(
+        f"Lightning's StochasticWeightAveraging callback does not run under {strategy}: it keeps a whole copy of the "
+        "model and updates it from plain parameters and a torch optimizer, while this strategy shards them or steps "
+        "them in its engine (Lightning refuses it under its own FSDP and DeepSpeed strategies too). Use "
+        "lightning.pytorch.callbacks.WeightAveraging instead (its default is SWA's equal average; override "
+        "should_update to start at an epoch): lightscale runs it on each rank's shards under every strategy "
+        "(docs/callbacks/weight_averaging.md). StochasticWeightAveraging itself runs under bucketed_ddp and "
+        "DiLoCo with inner='bucketed_ddp'."
+    )
+
+
 def weight_averaging_callbacks(trainer: Trainer) -> Iterator[WeightAveraging]:
     return (callback for callback in trainer.callbacks if isinstance(callback, WeightAveraging))  # type: ignore[attr-defined]
 

@@ -309,6 +309,16 @@ def _two_optimizers_under_zero():
     _zero(stage=2)._optimizer_and_scheduler(module)
 
 
+def _swa_under_fsdp2():
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightscale.strategies.weight_averaging import refuse_stochastic_weight_averaging
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[StochasticWeightAveraging(0.05)])
+    refuse_stochastic_weight_averaging(trainer, "FSDP2Strategy", runs_it=_fsdp2().runs_stochastic_weight_averaging)
+
+
 class Shampoo(torch.optim.SGD):
     shape_dependent = True  # a user's own optimizer opts in to the rule (lightscale/optim/rule.py)
 
@@ -936,6 +946,9 @@ CATALOGUE: list[tuple] = [
      r".*lightscale\.data_shard\(\)"),
     ("data-shard-env", "LIGHTSCALE_DATA_SHARD_INDEX/COUNT set by hand to a non-shard", _bad_data_shard_env, CE,
      r"LIGHTSCALE_DATA_SHARD_INDEX='4' and LIGHTSCALE_DATA_SHARD_COUNT='4'.*0 <= index < count"),
+    ("swa-sharded", "Lightning's StochasticWeightAveraging under a name that shards or runs an engine (fsdp2, "
+     "parallel_3d, ZeRO)", _swa_under_fsdp2, CE,
+     r"StochasticWeightAveraging callback does not run under FSDP2Strategy.*WeightAveraging instead.*bucketed_ddp"),
 ]
 # fmt: on
 

@@ -37,7 +37,7 @@ def test_the_report_is_pythons_traceback_with_the_rank_on_every_line() -> None:
 
 def test_the_excepthook_skips_only_the_error_already_printed() -> None:
     seen: list[BaseException] = []
-    hook = failure._excepthook(lambda kind, error, tb: seen.append(error))
+    hook = failure._excepthook(3, lambda kind, error, tb: seen.append(error))
     printed, other = ValueError("printed"), ValueError("other")
     failure._printed[:] = [printed]
     try:

@@ -57,6 +57,7 @@ PRIVATE_APIS = [
     ("torch", "_fused_sdp_choice", "cp ring/allgather: the CUDA op SDPA itself would run"),
     ("lightning.fabric.utilities.distributed", "_init_dist_connection", "process group with a timeout"),
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "Strategy.reduce"),
+    ("lightning.fabric.utilities.data", "_replace_dunder_methods", "re-created DataLoader subclasses keep arguments"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "optimizer state placement"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "registering strategy names"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "devices=N launches"),

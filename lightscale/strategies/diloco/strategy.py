@@ -134,6 +134,11 @@ class DiLoCoStrategy(LightscaleStrategy):
     def optimizer_parameter_view(self) -> ParameterView:
         return self.inner.optimizer_parameter_view()  # the inner strategy's optimizer steps a worker's parameters
 
+    @property
+    @override
+    def runs_stochastic_weight_averaging(self) -> bool:
+        return not self.inner.shards_parameters  # each worker's whole replica under a reducer
+
     def __init__(
         self,
         *,
