@@ -290,6 +290,11 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+def resolve_args(argv: list[str]) -> list[str]:
+    """The command line LightningCLI parses: packaged config names, ``--resume`` and strategy names resolved."""
+    return resolve_strategy_args(resolve_resume_args(resolve_config_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] and args[0] in COMMANDS:
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigurationError as error:
             raise SystemExit(f"error: {error}") from None
         return
-    resolved = resolve_strategy_args(resolve_resume_args(resolve_config_args(args)))
+    resolved = resolve_args(args)
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolved
     try:
