@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet ninja py-cpuinfo psutil pydantic hjson msgpack packaging numpy
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation deepspeed
 	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ft,float8,data,hf]"
-	@# litdata without its torchvision requirement (which would pull another torch), then the packages it imports.
-	$(BIN)/pip install --quiet --no-deps "$(LITDATA)" && $(BIN)/pip install --quiet $(LITDATA_DEPS)
+	@# The packages litdata imports, then litdata itself without its torchvision requirement (which would pull another
+	@# torch), last: pip checks the dependencies of installed packages after an install that resolves them (not after
+	@# --no-deps), so litdata first printed "ERROR: ... litdata requires torchvision" on every fresh venv.
+	$(BIN)/pip install --quiet $(LITDATA_DEPS) && $(BIN)/pip install --quiet --no-deps "$(LITDATA)"
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a
 	@# first ZeRO-offload run would otherwise compile them inside its ranks, for minutes, under its timeouts.
 	$(BIN)/python -m lightscale.zero.ops

@@ -5,6 +5,8 @@ CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``.
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
 
 ``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.resume``).
+``--trainer.strategy.init_args.NAME VALUE`` overrides one argument of the strategy in effect, also when it was given
+by name (``strategy: fsdp2_zeropp``): the name becomes its class and registered arguments first.
 
 Example:
     $ lightscale fit --config gpt/tiny_ddp.yaml --trainer.max_steps 20
@@ -13,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -20,7 +23,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightscale.checkpoint.convert import (
     check_target,
@@ -99,6 +104,60 @@ def resolve_resume_args(argv: list[str]) -> list[str]:
         else:
             resolved.append(arg)
     return resolved
+
+
+STRATEGY_FLAG = "--trainer.strategy"
+
+
+def _strategy_value(arg: str, following: str | None) -> str | None:
+    """The value ``arg`` (with the argument after it) gives ``trainer.strategy``: ``--trainer.strategy NAME``,
+    ``--trainer.strategy=NAME`` or a config file's ``trainer: strategy:``; None if it gives none."""
+    if arg == STRATEGY_FLAG:
+        return following
+    if arg.startswith(STRATEGY_FLAG + "="):
+        return arg.split("=", 1)[1]
+    if arg in CONFIG_FLAGS and following is not None and Path(following).is_file():
+        config = yaml.safe_load(Path(following).read_text()) or {}
+        trainer = config.get("trainer") if isinstance(config, dict) else None
+        return trainer.get("strategy") if isinstance(trainer, dict) else None
+    if arg.startswith("--config=") and Path(arg.split("=", 1)[1]).is_file():
+        return _strategy_value("--config", arg.split("=", 1)[1])
+    return None
+
+
+def strategy_as_class(name: str) -> str | None:
+    """A registered strategy name as jsonargparse's class form, ``{"class_path": ..., "init_args": ...}`` (JSON): the
+    class and the arguments the name stands for (``fsdp2_zeropp`` -> FSDP2Strategy with its three ZeRO++ options)."""
+    if name.lower() not in StrategyRegistry:
+        return None
+    entry = StrategyRegistry[name.lower()]
+    cls = entry["strategy"]
+    try:
+        return json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": entry["init_params"]})
+    except TypeError:  # an argument with no JSON form: left to jsonargparse (its error names the option)
+        return None
+
+
+def resolve_strategy_args(argv: list[str]) -> list[str]:
+    """``--trainer.strategy.init_args.X V`` over a strategy given by name (in a config or on the command line): the
+    name is replaced by its class form just before the first such option, so jsonargparse sets X on that class
+    (given a name, it cannot: ``NestedArg(...)`` reached the Trainer). A class form already in effect is untouched.
+
+    Example:
+        >>> resolve_strategy_args(["--trainer.strategy", "zero3", "--trainer.strategy.init_args.stage", "2"])
+        ['--trainer.strategy', 'zero3', '--trainer.strategy={"class_path": "lightscale.strategies.zero.ZeroStrategy",
+         "init_args": {"stage": 3}}', '--trainer.strategy.init_args.stage', '2']
+    """
+    name: Any = None
+    for index, arg in enumerate(argv):
+        if arg.startswith(STRATEGY_FLAG + ".init_args."):
+            form = strategy_as_class(name) if isinstance(name, str) else None
+            if form is None:
+                return argv
+            return [*argv[:index], f"{STRATEGY_FLAG}={form}", *argv[index:]]
+        value = _strategy_value(arg, argv[index + 1] if index + 1 < len(argv) else None)
+        name = value if value is not None else name
+    return argv
 
 
 def print_strategies() -> None:
@@ -231,6 +290,11 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+def resolve_args(argv: list[str]) -> list[str]:
+    """The command line LightningCLI parses: packaged config names, ``--resume`` and strategy names resolved."""
+    return resolve_strategy_args(resolve_resume_args(resolve_config_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] and args[0] in COMMANDS:
@@ -239,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigurationError as error:
             raise SystemExit(f"error: {error}") from None
         return
-    resolved = resolve_resume_args(resolve_config_args(args))
+    resolved = resolve_args(args)
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
         sys.argv[1:] = resolved
     try:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from lightscale.callbacks.model_summary import with_global_summary
@@ -46,26 +48,35 @@ class Trainer(LightningTrainer):
     """
 
     def __init__(
-        self, *args: Any, resume: str | None = None, precision: str | int | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        accelerator: str | Accelerator = "auto",
+        strategy: str | Strategy = "auto",
+        devices: list[int] | str | int = "auto",
+        resume: str | None = None,
+        precision: str | int | None = None,
+        **kwargs: Any,
     ) -> None:
-        # ``precision`` is named here so the CLI accepts lightscale's names Lightning's type does not list (float8).
-        kwargs["precision"] = precision
+        # ``precision`` is named here so the CLI accepts lightscale's names Lightning's type does not list (float8);
+        # ``accelerator``, ``strategy`` and ``devices`` with Lightning's types, which LightningCLI reads from this
+        # signature: read from **kwargs with a default, jsonargparse took them as untyped, so
+        # ``--trainer.strategy.init_args.X V`` reached Lightning as ``NestedArg(...)``.
+        kwargs |= {"accelerator": accelerator, "strategy": strategy, "devices": devices, "precision": precision}
         patch_lightning()  # before Lightning parses its arguments (lightscale/strategies/lightning_patches.py)
         check_resume(resume)
         ignore_lightning_pytree_deprecation()
         register_strategies()
-        check_strategy(kwargs.get("strategy", "auto"))
-        check_devices(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"))
-        check_precision(kwargs.get("precision"))
-        accelerator = kwargs.get("accelerator", "auto")
-        float8 = maybe_float8_plugin(kwargs.get("precision"), _as_list(kwargs.get("plugins")), accelerator)
-        precision = float8.name if float8 is not None else kwargs.get("precision")
+        check_strategy(strategy)
+        check_devices(accelerator, devices)
+        check_precision(precision)
+        float8 = maybe_float8_plugin(precision, _as_list(kwargs.get("plugins")), accelerator)
+        precision = float8.name if float8 is not None else precision
         emulate = float8 is not None and float8.float8.emulate
-        check_strategy_precision(kwargs.get("strategy", "auto"), precision, accelerator, emulate=emulate)
+        check_strategy_precision(strategy, precision, accelerator, emulate=emulate)
         if float8 is not None and kwargs.get("precision") is not None:  # Lightning knows no float8 name: the plugin
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), float8]
-        fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
+        fp16_on_cpu = maybe_cpu_fp16_plugin(kwargs.get("precision"), accelerator)
         if fp16_on_cpu is not None:
             kwargs["precision"] = None
             kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), fp16_on_cpu]
@@ -149,19 +160,38 @@ def ignore_lightning_pytree_deprecation() -> None:
     warnings.filterwarnings("ignore", message, FutureWarning, module)
 
 
-def check_devices(accelerator: Any, devices: Any) -> None:
-    """Reject a device count larger than this machine has, before Lightning starts processes."""
+def device_count(devices: Any) -> int | None:
+    """``devices`` as a count of processes per node: an int, or the digits the CLI gives (``--trainer.devices 4`` is
+    the string "4" under Lightning's type); None for "auto", -1 and lists (Lightning resolves those)."""
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        return  # "auto", -1, lists and strings are resolved (and checked) by Lightning
+        return None
+    return devices
+
+
+def check_devices(accelerator: Any, devices: Any) -> None:
+    """Reject more GPUs than this machine has, and warn about more CPU processes than cores, before Lightning starts
+    processes. CPU ranks share cores (gloo, one thread each): the tiny GPT trained 30 steps at 4 ranks on 2 cores
+    in each of 3 runs on a loaded machine, as Lightning and torchrun run it, so that is slower, not wrong."""
+    devices = device_count(devices)
+    if devices is None:
+        return  # "auto", -1 and lists are resolved (and checked) by Lightning
     if _launched_externally():
         return  # torchrun, a cluster or a test harness decided how many processes run here
     wants_gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
-    available = torch.cuda.device_count() if wants_gpu else os.cpu_count() or 1
-    kind = "CUDA devices" if wants_gpu else "CPU cores"
-    if devices > available:
+    if wants_gpu and devices > torch.cuda.device_count():
+        available = torch.cuda.device_count()
         raise ConfigurationError(
-            f"devices={devices} but this machine has {available} {kind}; valid values are 1..{available} "
-            "(or launch the processes yourself, e.g. with torchrun, to oversubscribe on purpose)."
+            f"devices={devices} but this machine has {available} CUDA devices; valid values are 1..{available}."
+        )
+    cores = os.cpu_count() or 1
+    if not wants_gpu and devices > cores:
+        warnings.warn(
+            f"devices={devices} starts {devices} CPU ranks on this machine's {cores} CPU cores: they share the cores, "
+            "so steps are slower than on as many cores (the results are the same).",
+            UserWarning,
+            stacklevel=3,
         )
 
 

@@ -1,6 +1,6 @@
 """The one hook into Lightning's checkpoint loading: a lightscale checkpoint *directory* loads where Lightning
-expects a file, in one plain process (``lightscale.patch_lightning()`` installs it, as does every lightscale
-strategy and ``lightscale.Trainer``; never an import: lightscale/strategies/lightning_patches.py; no process group
+expects a file, in one plain process (``import lightscale`` installs it, through ``lightscale.patch_lightning()``;
+an import of a torch-only building block alone does not: lightscale/strategies/lightning_patches.py; no process group
 needed).
 
 Lightning reads every checkpoint file through one function, ``lightning.fabric.utilities.cloud_io._load``, bound by
@@ -25,8 +25,7 @@ Lightning's strategies, which lightscale does not own. Tested against the instal
 them).
 
 Example:
-    >>> import lightscale
-    >>> lightscale.patch_lightning()  # installs the hook (once per process)
+    >>> import lightscale  # installs the hook
     >>> model = MyModel.load_from_checkpoint("checkpoints/last.ckpt")  # a directory written by fsdp2
 """
 

@@ -24,7 +24,7 @@ from lightscale.estimate.report import format_estimate, parse_bytes
 from lightscale.plugins.precision_contract import normalize_precision
 from lightscale.strategies import BucketedDDPStrategy
 from lightscale.strategies.registry import plan_candidates
-from lightscale.trainer import Trainer
+from lightscale.trainer import Trainer, device_count
 
 
 @dataclass
@@ -59,8 +59,7 @@ def read_run_config(cli_args: list[str], *, world_size: int | None) -> RunConfig
             save_config_callback=None,
         )
     trainer = cli.config_init["trainer"]
-    devices = trainer.get("devices")
-    ranks = (devices if isinstance(devices, int) and devices > 0 else 1) * (trainer.get("num_nodes") or 1)
+    ranks = (device_count(trainer.get("devices")) or 1) * (trainer.get("num_nodes") or 1)
     return RunConfig(
         module=cli.model,
         strategy=trainer.get("strategy") or BucketedDDPStrategy.default_name(),

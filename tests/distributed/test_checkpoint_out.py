@@ -277,6 +277,77 @@ def test_lightning_fit_refuses_another_optimizer(trained: dict[str, Any]) -> Non
         trainer.fit(AdamNet(**HPARAMS), loader(GLOBAL_BATCH), ckpt_path=_path(trained, "bucketed_ddp"))
 
 
+# ---- a process that only ran `import lightscale` (a notebook, a serving process) -------------------------------
+_ONLY_IMPORTED = """
+import json, sys, traceback
+import torch
+import lightning
+import lightning.pytorch as pl
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from typing import Any
+import lightscale  # the only lightscale line: no patch_lightning(), no strategy built
+GLOBAL_BATCH = {GLOBAL_BATCH}
+{source}
+
+def attempt(check):
+    try:
+        return check()
+    except Exception as error:
+        return "raised " + "".join(traceback.format_exception_only(type(error), error)).strip()[-600:]
+
+def typo():
+    lightning.Trainer(strategy="zero3_ofload", accelerator="cpu", devices=1, logger=False)
+    return "no error"
+
+def weights(name):
+    model = Net.load_from_checkpoint(f"{{root}}/{{name}}.ckpt")
+    expected = torch.load(f"{{root}}/only_imported.pt", weights_only=True)
+    return dict(model.hparams) == expected["hparams"] and all(
+        torch.equal(model.state_dict()[key], value) for key, value in expected[name].items()
+    ) and sorted(model.state_dict()) == sorted(expected[name])
+
+def validate(name):
+    trainer = lightning.Trainer(devices=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, enable_checkpointing=False)
+    hparams = torch.load(f"{{root}}/only_imported.pt", weights_only=True)["hparams"]
+    return trainer.validate(Net(**hparams), loader(GLOBAL_BATCH), ckpt_path=f"{{root}}/{{name}}.ckpt")[0]["val_loss"]
+
+root, names = sys.argv[1], sys.argv[2].split(",")
+report = {{"typo": attempt(typo)}}  # first: before anything could have built a lightscale strategy
+for name in names:
+    report[name] = {{"weights": attempt(lambda: weights(name)), "val_loss": attempt(lambda: validate(name))}}
+print(json.dumps(report))
+"""
+ONLY_IMPORTED = ["bucketed_ddp", "fsdp2", "zero3"]
+
+
+def test_import_lightscale_is_all_plain_lightning_needs(trained: dict[str, Any]) -> None:
+    """A process that only ran ``import lightscale`` (issue 39): ``load_from_checkpoint`` of a bucketed_ddp, fsdp2 and
+    zero3 directory gives the trained weights, plain ``lightning.Trainer(devices=1).validate(ckpt_path=dir)`` their
+    loss, and ``lightning.Trainer(strategy="zero3_ofload")`` names the closest match. (Before: a bare
+    IsADirectoryError for each directory, and Lightning's own list of names without the match.)"""
+    root = trained["root"]
+    expected = {name: trained[name]["state"] for name in ONLY_IMPORTED} | {"hparams": HPARAMS}
+    torch.save(expected, root / "only_imported.pt")
+    source = "\n\n".join(inspect.getsource(item) for item in (Net, batch, loader))
+    script = root / "only_imported.py"
+    script.write_text(_ONLY_IMPORTED.format(GLOBAL_BATCH=GLOBAL_BATCH, source=source))
+    command = [sys.executable, str(script), str(root), ",".join(ONLY_IMPORTED)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Did you mean 'zero3_offload'?" in report["typo"], report["typo"]
+    x, y = batch()
+    for name in ONLY_IMPORTED:
+        reference = Net(**HPARAMS)
+        reference.load_state_dict(trained[name]["state"])
+        loss = F.cross_entropy(reference(x), y).item()
+        assert report[name]["weights"] is True, (name, report[name]["weights"])
+        assert report[name]["val_loss"] == pytest.approx(loss, rel=1e-6), (name, report[name]["val_loss"])
+
+
 # ---- consolidate: one file, loaded without lightscale ----------------------------------------------------------
 _NO_LIGHTSCALE = """
 import importlib.util, json, sys

@@ -117,9 +117,9 @@ def _colwise():
 
 
 def _too_many_devices():
-    with mock.patch.dict(os.environ), mock.patch("os.cpu_count", return_value=2):
+    with mock.patch.dict(os.environ), mock.patch("torch.cuda.device_count", return_value=2):
         os.environ.pop("WORLD_SIZE", None)
-        _lightscale().Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=3)
+        _lightscale().Trainer(strategy="bucketed_ddp", accelerator="cuda", devices=3)
 
 
 def _unit_class(name):
@@ -566,7 +566,7 @@ CATALOGUE: list[tuple] = [
     ("strategy-name", "unknown strategy name (closest match suggested)",
      lambda: _lightscale().Trainer(strategy="bucketd_ddp", accelerator="cpu", devices=1),
      VE, r"'bucketd_ddp'.*Did you mean 'bucketed_ddp'"),
-    ("devices-too-many", "more CPU devices than cores", _too_many_devices, VE, r"devices=3 .* valid values are 1\.\.2"),
+    ("devices-too-many", "more GPUs than the machine has", _too_many_devices, VE, r"devices=3 .* 1\.\.2"),
     ("precision-name", "precision lightscale does not support",
      lambda: _lightscale().Trainer(accelerator="cpu", devices=1, precision="64-true"),
      VE, r"precision='64-true'.*choose one of"),

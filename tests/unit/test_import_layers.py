@@ -1,7 +1,8 @@
 """Dependencies between lightscale's parts run one way: no import cycle between subpackages / top-level modules
 (``lightscale.X``), counting imports inside functions too, and no import of a lightscale module inside a function
 (an import hidden in a function to dodge a cycle means the layers are wrong). Third-party imports are ignored:
-optional ones may stay lazy. And importing lightscale (or any of its modules) installs no Lightning patch."""
+optional ones may stay lazy. And importing a torch-only building block installs no Lightning patch, while importing the
+package does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lightscale.strategies.lightning_patches import BUILDING_BLOCKS
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
 
@@ -187,7 +190,7 @@ def test_only_mesh_py_indexes_mesh_axes() -> None:
     assert not found, "mesh axes indexed outside parallel/mesh.py:\n" + "\n".join(found)
 
 
-# ---- importing installs no Lightning patch (lightscale/strategies/lightning_patches.py) ---------------------------
+# ---- the package installs Lightning's patches; a building block alone does not (strategies/lightning_patches.py) -
 _PATCHED = """
 import importlib, json, sys
 from lightning.fabric.utilities import cloud_io
@@ -214,9 +217,6 @@ for module in sys.argv[1:]:
     importlib.import_module(module)
     seen[module] = patched()
 import lightning
-import lightscale
-from lightscale.strategies import FSDP2Strategy
-seen["import lightscale"] = patched()
 {use}
 seen["used"] = patched()
 try:
@@ -226,26 +226,45 @@ except ValueError as error:
 print(json.dumps(seen))
 """
 _USES = {
+    "nothing": "pass",
     "name": 'lightning.Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False)',
-    "instance": "lightning.Trainer(strategy=FSDP2Strategy(), accelerator='cpu', devices=1, logger=False)",
+    "instance": (
+        "from lightscale.strategies import FSDP2Strategy\n"
+        "lightning.Trainer(strategy=FSDP2Strategy(), accelerator='cpu', devices=1, logger=False)"
+    ),
 }
+ALL_FOUR = 4  # the two pl_load names, Strategy.load_optimizer_state_dict, the strategy-name check
 
 
 def _patched_after(use: str, *modules: str) -> dict[str, object]:
     script = _PATCHED.replace("{use}", _USES[use])
-    done = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("use", sorted(_USES))
-def test_importing_installs_no_lightning_patch(use: str) -> None:
-    """A torch-only module, and ``import lightscale`` itself (names registered, a public API), leave Lightning's
-    functions Lightning's; the first lightscale strategy, by name or instance, installs all four patches, in time for
-    the next Trainer's unknown name. (Before: all four installed by ``import lightscale.parallel.mesh``.)"""
+@pytest.mark.parametrize("use", ["name", "instance"])
+def test_a_building_block_installs_no_lightning_patch(use: str) -> None:
+    """A torch-only module leaves Lightning's functions Lightning's (Python runs the package's ``__init__`` for it
+    too); the first lightscale strategy, by name or instance, installs all four patches, in time for the next
+    Trainer's unknown name. (Before b5e9659: all four installed by ``import lightscale.parallel.mesh``.)"""
     torch_only = ("lightscale.parallel.mesh", "lightscale.runtime.barrier") if use == "name" else ("lightscale.optim",)
     seen = _patched_after(use, *torch_only)
-    stages = (*torch_only, "import lightscale")
-    assert {stage: seen[stage] for stage in stages} == {stage: [] for stage in stages}
-    assert len(seen["used"]) == 4, seen["used"]
+    assert {stage: seen[stage] for stage in torch_only} == {stage: [] for stage in torch_only}
+    assert len(seen["used"]) == ALL_FOUR, seen["used"]
     assert "Did you mean 'zero3_offload'?" in str(seen["typo"])
+
+
+@pytest.mark.parametrize("statement", ["lightscale", "lightscale.strategies"])
+def test_importing_the_package_installs_the_lightning_patches(statement: str) -> None:
+    """``import lightscale`` (or a first import of its Lightning side) is enough: all four patches are in place with
+    no strategy built, and plain ``lightning.Trainer`` names the closest match for a mistyped name. (Before: none
+    installed, and Lightning's own error listed its names without the closest match.)"""
+    seen = _patched_after("nothing", statement)
+    assert len(seen[statement]) == ALL_FOUR, seen[statement]
+    assert "Did you mean 'zero3_offload'?" in str(seen["typo"]), seen.get("typo")
+
+
+def test_building_blocks_are_the_floors_below_lightning() -> None:
+    """The parts an import of which installs nothing are exactly the floors 0-2 of FLOORS."""
+    assert {part for part, floor in FLOORS.items() if floor <= 2} == set(BUILDING_BLOCKS)
