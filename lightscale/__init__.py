@@ -9,7 +9,7 @@ from lightscale import moved
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.strategies.lightning_patches import maybe_patch_lightning_on_import, patch_lightning
+from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.strategies.registry import register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
@@ -28,6 +28,5 @@ __all__ = [
 
 moved.install()  # old module paths keep importing for a release (lightscale/moved.py)
 register_strategies()  # in Lightning's public StrategyRegistry
-# Lightning reads lightscale checkpoint directories and names the closest strategy, unless only a torch-only
-# building block is being imported (lightscale/strategies/lightning_patches.py).
-maybe_patch_lightning_on_import(__name__)
+# Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/lightning_patches.py).
+patch_lightning()

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from lightscale.strategies.lightning_patches import BUILDING_BLOCKS
-
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
 
 # The floors of the house (docs/architecture.md's folder map): a part imports only parts on its floor or below.
@@ -190,7 +188,7 @@ def test_only_mesh_py_indexes_mesh_axes() -> None:
     assert not found, "mesh axes indexed outside parallel/mesh.py:\n" + "\n".join(found)
 
 
-# ---- the package installs Lightning's patches; a building block alone does not (strategies/lightning_patches.py) -
+# ---- importing the package installs Lightning's patches (strategies/lightning_patches.py) ----------------------
 _PATCHED = """
 import importlib, json, sys
 from lightning.fabric.utilities import cloud_io
@@ -217,54 +215,26 @@ for module in sys.argv[1:]:
     importlib.import_module(module)
     seen[module] = patched()
 import lightning
-{use}
-seen["used"] = patched()
 try:
     lightning.Trainer(strategy="zero3_ofload", accelerator="cpu", devices=1, logger=False)
 except ValueError as error:
     seen["typo"] = str(error)
 print(json.dumps(seen))
 """
-_USES = {
-    "nothing": "pass",
-    "name": 'lightning.Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False)',
-    "instance": (
-        "from lightscale.strategies import FSDP2Strategy\n"
-        "lightning.Trainer(strategy=FSDP2Strategy(), accelerator='cpu', devices=1, logger=False)"
-    ),
-}
 ALL_FOUR = 4  # the two pl_load names, Strategy.load_optimizer_state_dict, the strategy-name check
 
 
-def _patched_after(use: str, *modules: str) -> dict[str, object]:
-    script = _PATCHED.replace("{use}", _USES[use])
-    done = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=240)
+def _patched_after(*modules: str) -> dict[str, object]:
+    done = subprocess.run([sys.executable, "-c", _PATCHED, *modules], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("use", ["name", "instance"])
-def test_a_building_block_installs_no_lightning_patch(use: str) -> None:
-    """A torch-only module leaves Lightning's functions Lightning's (Python runs the package's ``__init__`` for it
-    too); the first lightscale strategy, by name or instance, installs all four patches, in time for the next
-    Trainer's unknown name. (Before b5e9659: all four installed by ``import lightscale.parallel.mesh``.)"""
-    torch_only = ("lightscale.parallel.mesh", "lightscale.runtime.barrier") if use == "name" else ("lightscale.optim",)
-    seen = _patched_after(use, *torch_only)
-    assert {stage: seen[stage] for stage in torch_only} == {stage: [] for stage in torch_only}
-    assert len(seen["used"]) == ALL_FOUR, seen["used"]
-    assert "Did you mean 'zero3_offload'?" in str(seen["typo"])
-
-
-@pytest.mark.parametrize("statement", ["lightscale", "lightscale.strategies"])
+@pytest.mark.parametrize("statement", ["lightscale", "lightscale.strategies", "lightscale.parallel.mesh"])
 def test_importing_the_package_installs_the_lightning_patches(statement: str) -> None:
-    """``import lightscale`` (or a first import of its Lightning side) is enough: all four patches are in place with
-    no strategy built, and plain ``lightning.Trainer`` names the closest match for a mistyped name. (Before: none
-    installed, and Lightning's own error listed its names without the closest match.)"""
-    seen = _patched_after("nothing", statement)
+    """``import lightscale`` (or of any module of it: Python runs the package's ``__init__`` first) is enough: all four
+    patches are in place with no strategy built, and plain ``lightning.Trainer`` names the closest match for a mistyped
+    name. (Before: none installed, and Lightning's own error listed its names without the closest match.)"""
+    seen = _patched_after(statement)
     assert len(seen[statement]) == ALL_FOUR, seen[statement]
     assert "Did you mean 'zero3_offload'?" in str(seen["typo"]), seen.get("typo")
-
-
-def test_building_blocks_are_the_floors_below_lightning() -> None:
-    """The parts an import of which installs nothing are exactly the floors 0-2 of FLOORS."""
-    assert {part for part, floor in FLOORS.items() if floor <= 2} == set(BUILDING_BLOCKS)

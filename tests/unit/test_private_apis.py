@@ -204,16 +204,6 @@ def test_fit_loop_keeps_its_data_source() -> None:  # ZeRO reads the micro-batch
     assert hasattr(loop, "_data_source") and hasattr(loop._data_source, "is_defined")
 
 
-def test_import_machinery_names_the_module_it_loads() -> None:  # lightscale/strategies/lightning_patches.py
-    import importlib._bootstrap as bootstrap
-    import inspect
-
-    from lightscale.strategies.lightning_patches import import_being_served
-
-    assert list(inspect.signature(bootstrap._find_and_load_unlocked).parameters) == ["name", "import_"]
-    assert import_being_served("lightscale") is None  # called outside any import: the package's own import
-
-
 def test_graph_task_id_outside_backward() -> None:
     assert torch._C._current_graph_task_id() == -1  # bucketed_ddp relies on -1 outside a backward pass
 
