@@ -18,7 +18,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CountingDist, quiet_trainer
+from helpers import CountingDist, backward_as_two_ranks, quiet_trainer
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -58,8 +58,8 @@ def reference() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     module = MLP()
     optimizer = module.configure_optimizers()
-    for _ in range(STEPS):
-        module.training_step(_batch(), 0).backward()
+    for epoch in range(STEPS):  # one batch per rank per epoch
+        backward_as_two_ranks(module, _batch(), epoch=epoch)
         optimizer.step()
         optimizer.zero_grad()
     return {name: p.detach().clone() for name, p in module.named_parameters()}
