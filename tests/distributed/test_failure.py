@@ -213,7 +213,7 @@ def test_a_stalled_rank_reports_where_it_is_stuck_and_the_run_ends(tmp_path: Pat
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=900,  # the stall is an hour: ending before that is the point (start-up under load takes minutes)
+        timeout=540,  # the stall is an hour: ending before that is the point (start-up under load takes minutes)
     )
     assert result.returncode != 0
     report = result.stderr[result.stderr.index("lightscale: ending rank 1 because rank 0 raised") :]
