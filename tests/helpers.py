@@ -35,26 +35,16 @@ def backward_as_two_ranks(module: nn.Module, batch: tuple[torch.Tensor, ...], *,
     whole batch sums in another order: last-bit differences that Muon's bf16 Newton-Schulz turns into bf16 ulps
     (2**-8) of an update, so a bound against it holds by the machine's luck (issue 39: 0.0095 with AVX512-BF16).
     """
-    backward_as_ranks(module, batch, epoch=epoch, ranks=2)
-
-
-def backward_as_ranks(module: nn.Module, batch: tuple[torch.Tensor, ...], *, epoch: int, ranks: int) -> None:
-    """:func:`backward_as_two_ranks` for 2 or 4 ranks. Four as hsdp's 2 replicas x 2 shards sum them: each shard
-    group's reduce-scatter first, then across the replicas, ``((g0 + g1) + (g2 + g3)) / 4`` (each sum of two values
-    correctly rounded whatever its order; the divisions by powers of two exact)."""
-    assert ranks in (2, 4), ranks
     params = [p for p in module.parameters() if p.requires_grad]
     order = torch.randperm(len(batch[0]), generator=torch.Generator().manual_seed(epoch))
-    size = len(order) // ranks
+    half = len(order) // 2
     per_rank = []
-    for rank in range(ranks):
-        rows = order[rank * size : (rank + 1) * size]
+    for rank in range(2):
+        rows = order[rank * half : (rank + 1) * half]
         loss = module.training_step(tuple(t[rows] for t in batch), 0)  # type: ignore[operator]
         per_rank.append(torch.autograd.grad(loss, params))
-    for index, param in enumerate(params):
-        grads = [grads[index] for grads in per_rank]
-        pairs = [grads[k] + grads[k + 1] for k in range(0, ranks, 2)]
-        param.grad = (pairs[0] if ranks == 2 else pairs[0] + pairs[1]) / ranks
+    for param, first, second in zip(params, *per_rank, strict=True):
+        param.grad = (first + second) / 2
 
 
 class CountingDist:
