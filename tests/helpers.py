@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import lightscale
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
@@ -20,6 +21,30 @@ SGD_LR = 0.25
 # reassociation of the gradient sums); test_parity.py on gloo and tests/gpu on NCCL use the same bound.
 PARITY_TOLERANCE = 1e-5
 S3_BUCKET = "lightscale-test"  # created by the `s3` fixture (tests/conftest.py: a local S3 server per module)
+
+
+def backward_as_two_ranks(module: nn.Module, batch: tuple[torch.Tensor, ...], *, epoch: int) -> None:
+    """Set each parameter's ``.grad`` to the gradient two data-parallel ranks average from ``batch``, bitwise.
+
+    In ``epoch``, rank r trains on rows ``order[r*b : (r+1)*b]`` of the global batch (``order``: DistributedSampler's
+    shuffle, seeded by ``seed_everything(0)`` plus the epoch; lightscale's ExactlyOnceSampler keeps it), back-propagates
+    its own mean loss, and the ranks average: ``(g0 + g1) / 2`` (DDP, fsdp2 and ZeRO halve before or after the sum:
+    the same bits, halving is exact in fp32 barring underflow). Each half here runs the same kernels on the same rows
+    in the same order as on its rank, and a sum of two fp32 values is one correctly rounded operation, the same in
+    either order. So a strategy that steps like one process matches this bitwise, on any CPU. One backward over the
+    whole batch sums in another order: last-bit differences that Muon's bf16 Newton-Schulz turns into bf16 ulps
+    (2**-8) of an update, so a bound against it holds by the machine's luck (issue 39: 0.0095 with AVX512-BF16).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    order = torch.randperm(len(batch[0]), generator=torch.Generator().manual_seed(epoch))
+    half = len(order) // 2
+    per_rank = []
+    for rank in range(2):
+        rows = order[rank * half : (rank + 1) * half]
+        loss = module.training_step(tuple(t[rows] for t in batch), 0)  # type: ignore[operator]
+        per_rank.append(torch.autograd.grad(loss, params))
+    for param, first, second in zip(params, *per_rank, strict=True):
+        param.grad = (first + second) / 2
 
 
 class CountingDist:

@@ -23,10 +23,11 @@ error is then skipped. Only when the failure is a collective timeout does an end
 it may be the rank that stalled, and then that stack is the report; a rank ended by another rank's exception did
 nothing wrong.
 
-The announcing rank waits (a few seconds at most) until every watcher has read the message, because the store may
-live in its own process: rank 0 hosts it under Lightning's launcher, and a store that dies with rank 0 would take the
-message with it. Under torchrun's agent store (which outlives every rank) it does not wait: a peer killed outright
-never reads, and the wait would only delay the restart.
+The announcing rank waits (a few seconds at most) until every watcher has read the message and printed its report,
+because the store may live in its own process: rank 0 hosts it under Lightning's launcher, and a store that dies with
+rank 0 would take the message with it (and rank 0's exit ends the ranks it started, their reports with them). Under
+torchrun's agent store (which outlives every rank) it does not wait: a peer killed outright never reads, and the wait
+would only delay the restart.
 
 Example:
     >>> watch_for_failures(rank)                        # once per process, after the process group exists
@@ -180,9 +181,8 @@ def report_escaped(rank: int, error: BaseException) -> None:
     with contextlib.suppress(Exception):
         if store is not None and store.check([FAILURE_KEY]):  # another rank announced first: this error follows it
             message = store.get(FAILURE_KEY).decode()
-            store.add(SEEN_KEY, 1)
             _failed_here.set()
-            _end(rank, message)  # as the watcher would have, had it polled before this rank's collective broke
+            _end(rank, message, store)  # as the watcher would have, had it polled before this rank's collective broke
     pending = _pending[0] if _pending else None
     chain: list[BaseException] = []
     cause: BaseException | None = error
@@ -275,21 +275,26 @@ def _watch(store: dist.Store, rank: int, interval_s: float) -> None:
             if not store.check([FAILURE_KEY]):
                 continue
             message = store.get(FAILURE_KEY).decode()
-            store.add(SEEN_KEY, 1)  # the announcing rank may now let the store go
         except Exception:  # the store went away (normal shutdown of rank 0): nothing left to watch
             return
         with _lock:
-            if _failed_here.is_set():
-                return  # this rank is announcing its own error: it reports with its own traceback
+            if _failed_here.is_set():  # this rank is announcing its own error: it reports with its own traceback
+                with contextlib.suppress(Exception):
+                    store.add(SEEN_KEY, 1)
+                return
             _failed_here.set()  # nothing this rank raises from now on is announced: it is being ended
-        _end(rank, message)
+        _end(rank, message, store)
 
 
-def _end(rank: int, payload: str) -> None:
+def _end(rank: int, payload: str, store: dist.Store) -> None:
     failure = json.loads(payload)
     print(f"lightscale: ending rank {rank} because {failure['message']}", file=sys.stderr, flush=True)
     if failure["timeout"]:
         # Another rank timed out waiting for this one, which may be the one that stalled: where it was is the report.
         print(f"lightscale: rank {rank} was here when it was ended:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    # Read only now, once the report is out: the announcing rank may then exit, and under Lightning's launcher rank 0's
+    # exit kills this rank (PDEATHSIG), on a loaded machine before a report printed after this line.
+    with contextlib.suppress(Exception):
+        store.add(SEEN_KEY, 1)
     os._exit(EXIT_CODE)

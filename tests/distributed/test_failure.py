@@ -155,6 +155,7 @@ def _is_rank(process: Any) -> bool:
 
 STALL = """
 import time
+from pathlib import Path
 import torch
 import lightning.pytorch as pl
 from torch import nn
@@ -178,11 +179,24 @@ class Model(pl.LightningModule):
 
 
 def stuck_in_user_code():
-    time.sleep(600)  # a deadlocked data loader, a hung file system
+    time.sleep(3600)  # a deadlocked data loader, a hung file system
+
+
+class StartTogether(BucketedDDPStrategy):
+    # The 12 s bound every collective, the start-up's rendezvous too: rank 0 waits there for rank 1, which Lightning's
+    # launcher starts only then (its imports take over 12 s on a loaded machine). Rank 0 enters once rank 1 has
+    # started, so the first wait that can time out is the stall at step 2.
+    def setup_environment(self):
+        started = Path("rank_1_started")
+        if self.global_rank == 1:
+            started.touch()
+        while not started.exists():
+            time.sleep(0.1)
+        super().setup_environment()
 
 
 trainer = lightscale.Trainer(
-    strategy=BucketedDDPStrategy(timeout_s=12), accelerator="cpu", devices=2, max_steps=6,
+    strategy=StartTogether(timeout_s=12), accelerator="cpu", devices=2, max_steps=6,
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 )
 trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
@@ -199,7 +213,7 @@ def test_a_stalled_rank_reports_where_it_is_stuck_and_the_run_ends(tmp_path: Pat
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=300,  # the stall is 600 s: ending before that is the point
+        timeout=540,  # the stall is an hour: ending before that is the point (start-up under load takes minutes)
     )
     assert result.returncode != 0
     report = result.stderr[result.stderr.index("lightscale: ending rank 1 because rank 0 raised") :]

@@ -17,10 +17,13 @@ from lightscale.recipes.gpt import GPTDataModule, GPTModule
 from lightscale.testing import run_distributed
 
 # Relative, per step. tp changes the order of the gradient sums only; Muon casts its update to bf16 before
-# Newton-Schulz, so a last-bit difference in an fp32 gradient can move a bf16 element by one ulp. Measured on this
-# model, Muon: tp2 5.8e-5, bucketed_ddp and fsdp2 3.0e-6 (both the same); one process with every gradient multiplied
-# by (1 + 1e-7 * noise) moves by 1.3e-4 (Adafactor: 0.0). Adafactor under tp2 <= 1e-5.
-TOLERANCE = {"adafactor": 1e-5, "muon": 1e-4}
+# Newton-Schulz, so a last-bit difference in an fp32 gradient can move a bf16 element by one ulp, and no one-process
+# reference sums as tp's split matrix products do. So Muon's bound is not derived but set well above what such flips
+# do: one process with every gradient multiplied by (1 + 1e-7 * noise) moves by 1.3e-4 (tp2 measured 5.8e-5,
+# bucketed_ddp and fsdp2 3.0e-6); 2e-3 is 15x that (what a wrong orthogonalization does to these losses is not measured
+# here). The former 1e-4 was below the flips' 1.3e-4: met by luck. Adafactor (fp32, no flips; measured 0.0 under the
+# same noise) under tp2 <= 1e-5: fp32 reassociation, ~1e-7 per step.
+TOLERANCE = {"adafactor": 1e-5, "muon": 2e-3}
 STEPS, GLOBAL_BATCH = 6, 8
 
 

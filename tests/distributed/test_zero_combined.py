@@ -25,7 +25,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import backward_as_two_ranks, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -73,8 +73,8 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     module = MLP(kind)
     optimizer = make_optimizer(module, kind)
-    for _ in range(STEPS):
-        module.training_step(_batch(), 0).backward()
+    for epoch in range(STEPS):  # one batch per rank per epoch
+        backward_as_two_ranks(module, _batch(), epoch=epoch)
         optimizer.step()
         optimizer.zero_grad()
     return {name: p.detach().clone() for name, p in module.named_parameters()}

@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import CountingDist, quiet_trainer
+from helpers import CountingDist, backward_as_two_ranks, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -79,8 +79,8 @@ def reference(groups: bool = False) -> dict[str, torch.Tensor]:
     module = MLP(groups)
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"] if groups else configured
-    for _ in range(STEPS):  # one batch per epoch: Lightning steps the scheduler after every step
-        module.training_step(_batch(), 0).backward()
+    for epoch in range(STEPS):  # one batch per epoch: Lightning steps the scheduler after every step
+        backward_as_two_ranks(module, _batch(), epoch=epoch)
         optimizer.step()
         optimizer.zero_grad()
         if groups:
