@@ -44,11 +44,17 @@ class Classifier(pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, sync_dist=True)
-        try:  # a value computed from a parameter (a DTensor under FSDP2): its own check, the others go on
+        try:  # computed from a parameter: a failure is the sync_dist check's, the other checks go on
             self.log("weight_norm", self.body[0].weight.norm(), sync_dist=True)
         except Exception as error:
             self.sync_error = f"{type(error).__name__}: {error}"
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        try:  # computed from a gradient (a DTensor under FSDP2)
+            self.log("grad_norm", self.body[0].weight.grad.norm(), sync_dist=True)
+        except Exception as error:
+            self.sync_error = f"{type(error).__name__}: {error}"
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)

@@ -58,7 +58,9 @@ def _loader(model: str, shards: tuple[int, int]) -> DataLoader:
 
 
 def _fit(strategy: Any, model: str, saves: dict[int, Path], ckpt_path: Path | None = None) -> Run:
-    pl.seed_everything(0, verbose=False)
+    # Each rank its own seed: only a strategy that starts every rank from rank 0's weights matches one process.
+    seed = dist.get_rank()
+    pl.seed_everything(seed, verbose=False)
     watch, losses = _SaveAndWatch(saves), StepLosses()
     try:
         trainer = quiet_trainer(
@@ -66,7 +68,7 @@ def _fit(strategy: Any, model: str, saves: dict[int, Path], ckpt_path: Path | No
             use_distributed_sampler=False,
         )  # fmt: skip
         shards = tuple(lightscale.data_shard())  # known once the Trainer exists: dp x ep shards
-        trainer.fit(build(model), _loader(model, shards), ckpt_path=ckpt_path)
+        trainer.fit(build(model, seed), _loader(model, shards), ckpt_path=ckpt_path)
     except Exception as error:
         return Run(losses.steps, f"{type(error).__name__}: {error}", watch.steps)
     return Run(losses.steps, None, watch.steps)
