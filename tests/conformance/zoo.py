@@ -152,7 +152,7 @@ class HFCausalLM(ZooModule):
         logits = self.model(input_ids=tokens).logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    data = TiedLM.data
+    data = staticmethod(TiedLM.data)
 
 
 class HFGPT2(HFCausalLM):
