@@ -29,6 +29,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,9 @@ KNOWN_BROKEN: dict[tuple[str, str, str], str] = {
     # Found by this matrix (not yet filed): cp2 trains Hugging Face GPT-2 and Llama to other weights than one process
     # (30 % apart after 4 steps): their positions come from each rank's local sequence length.
     **{(model, "cp2", "fit"): "matrix finding: cp2 and HF positions" for model in ("hf_gpt2", "hf_llama")},
+    # item 1: ZeRO-3 cannot resume a parameter smaller than the world size (the 1-element bias), from the issue:
+    # not yet run here (DeepSpeed's ops were still building); a stage-3 name that resumes will XPASS
+    **{("regressor", name, "resume"): "issue 39 item 1" for name in ("zero3", "zero3_offload", "zero_infinity")},
     # item 8: self.log(grad.norm(), sync_dist=True) of a DTensor gradient under FSDP2
     **{("behaviours", name, "sync_dist"): "issue 39 item 8" for name in _FIRST_DIM_SHARDED},
 }
@@ -310,8 +314,22 @@ CHECK = {
 }
 
 
+@cache
+def _unavailable(name: str) -> str | None:
+    """Why ``name`` cannot start on this machine at all (then its cells skip), or None."""
+    if name != "zero_infinity":
+        return None
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return "zero_infinity needs libaio (apt-get install libaio-dev) for its NVMe swap"
+
+
 @pytest.mark.parametrize(("name", "model", "check"), list(_cells()))
 def test_cell(matrix: Matrix, name: str, model: str, check: str) -> None:
+    if reason := _unavailable(name):
+        pytest.skip(reason)
     key = (model, name, check)
     try:
         matrix.outcomes[key] = CHECK[check](matrix, name, model)
@@ -365,6 +383,8 @@ def _check_behaviour(ranks: list[dict[str, Any]], reference: dict[str, Any], asp
 
 @pytest.mark.parametrize(("name", "aspect"), list(_aspects()))
 def test_lightning_behaviour(matrix: Matrix, name: str, aspect: str) -> None:
+    if reason := _unavailable(name):
+        pytest.skip(reason)
     key = ("behaviours", name, aspect)
     try:
         matrix.cell(name, MODELS[0])
