@@ -14,7 +14,7 @@ One launch per name runs every model (cells.py); each (model, name) cell is then
     * consolidate: ``lightscale consolidate`` output loads through ``load_from_checkpoint`` in a Python where
       lightscale cannot be imported, bitwise.
 A name that cannot run a model refuses before any training step with an error naming what would work
-(``REFUSALS``). ``KNOWN_BROKEN`` lists cells fixed on other branches (issue 39): they xfail strictly, so a fix that
+(``REFUSALS``). ``KNOWN_BROKEN`` lists cells that fail today, each with why: they xfail strictly, so a fix that
 lands makes its entry fail until removed. With ``-s`` the module prints the table of pass / refused / known-broken
 cells per name (also written to conformance.md in pytest's base temp directory).
 """
@@ -50,8 +50,9 @@ CHECKS = ("fit", "resume", "load", "validate", "consolidate")
 RANKS = {"hsdp": 4, "tp2_pp2": 4, "ep2_pp2": 4, "ep2_tp2": 4, "cp2_tp2": 4}
 TOLERANCE = 1e-5  # relative (per tensor, in norm) after 4 fp32 steps: only the order of the gradient sums differs
 # bf16 on the wire: 8 bits of mantissa; PowerSGD: rank-4 factors with error feedback (measured 1.1e-3); ZeRO++:
-# int8 weights and gradients, half a step of 1/127 of each block's absmax (docs/strategies/fsdp2.md).
-LOSS_BOUND = {"bucketed_ddp_bf16": 1e-2, "fsdp2_zeropp": 1 / 254}
+# int8 weights and gradients rounded stochastically, within one step, 1/127 of each block's absmax
+# (docs/strategies/fsdp2.md).
+LOSS_BOUND = {"bucketed_ddp_bf16": 1e-2, "fsdp2_zeropp": 1 / 127}
 # Rank-4 factors of each gradient matrix (error feedback repays the rest over later steps) bound no per-step error:
 # 5e-2 on tied_lm here. Its first step equals one process's, it learns, and tests/distributed/test_powersgd.py
 # checks it against its own reference (PowerSGD in one process).
@@ -75,38 +76,20 @@ REFUSALS: dict[tuple[str, str], str] = {
     ("tied_lm", "streaming_diloco"): "fragments=4 is more than the 3 parameter tensors to split; choose fragments <=",
 }
 
-# TEMPORARY: cells fixed on other branches (issue 39). Remove an entry when its fix lands (the cell then XPASSes,
-# which fails strictly). (model, name, check) -> the item.
-_FIRST_DIM_SHARDED = ["fsdp2", "fsdp2_grad_op", "hsdp", "fsdp2_offload", "fsdp2_zeropp", "parallel_3d"]
-_ZERO = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity"]
+# Cells that fail today, each with why: they xfail strictly, so a fix makes its entry fail until removed.
+# (model, name, check) -> the finding.
 KNOWN_BROKEN: dict[tuple[str, str, str], str] = {
-    # item 2: `import lightscale` is not enough for load_from_checkpoint(dir) / validate(ckpt_path=dir) today
-    **{
-        (model, name, check): "issue 39 item 2"
-        for name in NAMES
-        for model in MODELS
-        for check in ("load", "validate")
-        if (model, name) not in REFUSALS
-    },
-    # item 3: a 0-dimensional parameter is refused under FSDP2 and ZeRO ("Give them shape [1]")
-    **{("temperature", name, check): "issue 39 item 3" for name in _FIRST_DIM_SHARDED + _ZERO for check in CHECKS},
-    ("temperature", "cp2", "fit"): "issue 39 item 3 (refused for the 0-dim parameter before its batch is seen)",
-    # Found by this matrix (not yet filed): DiLoCo's checkpoint of a tied model keeps one name of the tied weight, so
-    # the consolidated file misses the other ("Missing key(s) in state_dict: head.weight").
+    # DiLoCo's checkpoint of a tied model keeps one name of the tied weight, so the consolidated file misses the other
+    # ("Missing key(s) in state_dict: head.weight").
     **{
         (model, name, "consolidate"): "matrix finding: DiLoCo drops a tied weight's second name"
         for model in ("tied_lm", "hf_gpt2")
         for name in TRAIN_ALONE
         if (model, name) not in REFUSALS
     },
-    # Found by this matrix (not yet filed): cp2 trains Hugging Face GPT-2 and Llama to other weights than one process
-    # (30 % apart after 4 steps): their positions come from each rank's local sequence length.
+    # cp2 trains Hugging Face GPT-2 and Llama to other weights than one process (30 % apart after 4 steps): their
+    # positions come from each rank's local sequence length.
     **{(model, "cp2", "fit"): "matrix finding: cp2 and HF positions" for model in ("hf_gpt2", "hf_llama")},
-    # item 1: ZeRO-3 cannot resume a parameter smaller than the world size (the 1-element bias), from the issue:
-    # not yet run here (DeepSpeed's ops were still building); a stage-3 name that resumes will XPASS
-    **{("regressor", name, "resume"): "issue 39 item 1" for name in ("zero3", "zero3_offload", "zero_infinity")},
-    # item 8: self.log(grad.norm(), sync_dist=True) of a DTensor gradient under FSDP2
-    **{("behaviours", name, "sync_dist"): "issue 39 item 8" for name in _FIRST_DIM_SHARDED},
 }
 
 
