@@ -390,10 +390,14 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def _globals(self) -> dict[str, torch.Tensor]:
-        """The fp32 global model under the module's names; DTensors over the worker's shards when FSDP2 shards."""
+        """The fp32 global model under the module's names, a tied parameter under each of its names as in
+        ``state_dict`` (a file without the second name misses a key in ``load_state_dict``); DTensors over the
+        worker's shards when FSDP2 shards."""
         assert self.outer is not None
         pairs = zip(self.outer.params, self.outer.named_globals(), strict=True)
-        return {name: like_param(param, tensor) for param, (name, tensor) in pairs}
+        by_param = {id(param): like_param(param, tensor) for param, (_, tensor) in pairs}
+        named = self.lightning_module.named_parameters(remove_duplicate=False)
+        return {name: by_param[id(param)] for name, param in named if id(param) in by_param}
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers (the same on every rank): saved beside the global parameters so that the
