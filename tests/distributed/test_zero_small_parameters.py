@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightscale.storage.safe_io import SafeCheckpointIO
+from lightscale.checkpoint.lightning_format import lightning_checkpoint
 from lightscale.testing import RankFailed, run_distributed
 
 STEPS, SAVED_AT = 6, 3
@@ -79,7 +79,7 @@ def _resume_equals_uninterrupted(strategy: str, whole_dir: str, resumed_dir: str
     resumed = run_distributed(_fit, strategy, resumed_dir, ckpt_path=mid, **ranks)[0]
     assert resumed == whole[SAVED_AT:]  # bitwise: every loss after the resume
     end = f"step={STEPS}.ckpt"
-    expected, actual = (SafeCheckpointIO().load_checkpoint(f"{d}/{end}") for d in (whole_dir, resumed_dir))
+    expected, actual = (lightning_checkpoint(f"{d}/{end}", optimizer=True) for d in (whole_dir, resumed_dir))
     _assert_equal(actual["state_dict"], expected["state_dict"])
     assert len(actual["optimizer_states"]) == len(expected["optimizer_states"]) == 1
     momentum = [s["momentum_buffer"] for s in actual["optimizer_states"][0]["state"].values()]
