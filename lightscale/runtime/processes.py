@@ -24,6 +24,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.connectors import checkpoint_connector as _checkpoint_connector
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -41,6 +42,35 @@ from lightscale.runtime.launch import Launcher, exit_with_launcher, restart_safe
 # minutes is torch's NCCL default and covers a first-step compile or a large checkpoint write; raise it with
 # ``timeout_s`` for slower ones.
 DEFAULT_TIMEOUT_S = 600.0
+
+
+# Lightning's checkpoint connector restores in these methods (and those they call): a failure below one of them
+# happened while restoring, though Lightning has already set the stage (and step 0) of the run to come.
+RESTORING = ("resume_start", "restore", "_restore_modules_and_callbacks", "restore_training_state", "resume_end")
+
+
+def raised_while_restoring(error: BaseException) -> bool:
+    """``error`` was raised below Lightning's checkpoint restore (``fit(ckpt_path=...)``, ``validate(ckpt_path=...)``):
+    its traceback passes through one of the :data:`RESTORING` methods of Lightning's checkpoint connector."""
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in RESTORING and tb.tb_frame.f_globals.get("__name__") == _checkpoint_connector.__name__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _phase(trainer: Any | None, error: BaseException) -> str:
+    """Where the run was when ``error`` was raised: "fit, step 12"; "fit, restoring the checkpoint PATH" below
+    Lightning's restore, where the trainer already shows the stage to come at step 0; "start-up" before fit attached
+    the module (``trainer`` None: asking for it then would raise "not attached")."""
+    if trainer is None:
+        return "start-up"
+    if raised_while_restoring(error):
+        return f"{trainer.state.fn.value}, restoring the checkpoint {trainer.ckpt_path}"
+    stage = trainer.state.stage.value if trainer.state.stage else "start-up"
+    return f"{stage}, step {trainer.global_step}"
 
 
 def _destroy_process_group() -> None:
@@ -171,9 +201,7 @@ class ProcessStrategy(ParallelStrategy):
 
     def _failure_context(self, exception: BaseException) -> str:
         # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "start-up"
-        where = f"{stage}, step {trainer.global_step}" if trainer is not None else stage
+        where = _phase(getattr(self.lightning_module, "_trainer", None), exception)
         if is_timeout(exception):
             where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"

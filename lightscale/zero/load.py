@@ -1,9 +1,12 @@
 """Writing whole tensors into a ZeRO engine, one parameter at a time: what lightscale/checkpoint/zero_load.py calls
 to fill an engine from the portable layout (the save side: lightscale/zero/portable.py).
 
-DeepSpeed's own helpers write a full fp32 weight or optimizer state into this rank's partition
-(``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``); a ZeRO-3 working partition is rewritten from rank
-0's copy inside ``GatheredParameters``; ZeRO-1/2 refresh their working copies from the masters once at the end.
+DeepSpeed's own helpers write a full fp32 weight or optimizer state into this rank's partition: ZeRO-1/2's
+(``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``) find the parameter's fragment themselves; ZeRO-3's
+are handed this rank's piece (``safe_set_local_*``, :func:`~lightscale.zero.partition.own_piece`), because DeepSpeed's
+full setters read past the end of a parameter the ranks do not divide (a 1-element bias on 2 ranks). A ZeRO-3 working
+partition is rewritten from rank 0's copy inside ``GatheredParameters``; ZeRO-1/2 refresh their working copies from
+the masters once at the end.
 
 Example:
     >>> set_full_weight(param, torch.zeros(param.ds_shape), zero)
@@ -17,17 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.zero.partition import fp32_partitions, master_device
+from lightscale.zero.partition import fp32_partitions, is_partitioned, master_device, own_piece
 from lightscale.zero.portable import partition_group
 
 
 def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
     """Write the whole ``value`` into ``param``: its fp32 master (``zero``: the engine's optimizer, if any) and its
     working copy (ZeRO-1/2's are refreshed from the masters by :func:`refresh_working_copies`)."""
-    from deepspeed.utils import safe_set_full_fp32_param  # DeepSpeed is an extra: imported where it is used
-
     if zero is not None and param.requires_grad:
-        safe_set_full_fp32_param(param, value.to(master_device(param)))
+        _set_master(param, value, None)
     if hasattr(param, "ds_id"):  # ZeRO-3: the working partition, rewritten from rank 0's copy
         import deepspeed
 
@@ -41,10 +42,26 @@ def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> Non
 
 def set_full_state(param: nn.Parameter, state: dict[str, Tensor]) -> None:
     """Write whole per-element optimizer states (``exp_avg``...) into ``param``'s partition of them."""
-    from deepspeed.utils import safe_set_full_optimizer_state
-
     for key, value in state.items():
-        safe_set_full_optimizer_state(param, value.to(master_device(param)), key)
+        _set_master(param, value, key)
+
+
+def _set_master(param: nn.Parameter, value: Tensor, key: str | None) -> None:
+    """Write the whole ``value`` into this rank's part of ``param``'s fp32 master (``key`` None) or of its optimizer
+    state ``key``."""
+    from deepspeed import utils  # DeepSpeed is an extra: imported where it is used
+
+    value = value.to(master_device(param))
+    if is_partitioned(param):  # ZeRO-3: this rank's piece, padded as the partition is
+        piece = own_piece(param, value)
+        if key is None:
+            utils.safe_set_local_fp32_param(param, piece)
+        else:
+            utils.safe_set_local_optimizer_state(param, piece, key)
+    elif key is None:
+        utils.safe_set_full_fp32_param(param, value)
+    else:
+        utils.safe_set_full_optimizer_state(param, value, key)
 
 
 def refresh_working_copies(zero: Any) -> None:

@@ -65,6 +65,18 @@ def whole_numel(tensor: Tensor) -> int:
     return full_numel(tensor) if is_partitioned(tensor) else tensor.numel()
 
 
+def own_piece(tensor: Tensor, whole: Tensor) -> Tensor:
+    """This rank's piece of ``whole``, a value of ZeRO-3 parameter ``tensor``, laid out as its partition: elements
+    [r p, (r + 1) p) of the flattened value, p = ``partition_numel`` (``ceil(numel / ranks)``), zero past the end.
+    With fewer elements than ranks, or a size the ranks do not divide, the last ranks' pieces are partly or wholly
+    padding (DeepSpeed's ``set_full_hp_param`` narrows past the end there instead)."""
+    size = int(tensor.partition_numel())  # type: ignore[attr-defined]
+    rank = dist.get_rank(group=tensor.ds_process_group)  # type: ignore[attr-defined]
+    flat = whole.reshape(-1)
+    piece = flat[min(rank * size, flat.numel()) :][:size]
+    return torch.nn.functional.pad(piece, (0, size - piece.numel()))
+
+
 def master_device(tensor: Tensor) -> torch.device:
     """Where the optimizer's copy of ``tensor`` lives: its partition's device under ZeRO-3 (offloaded: the host)."""
     return partition(tensor).device if is_partitioned(tensor) else tensor.device

@@ -13,8 +13,8 @@ square average) and is saved per parameter as ``state.<fqn>.<key>``, as FSDP2 sa
 the same for every partition, since ZeRO steps them together, and is saved once per parameter too.
 
 Load: the checkpoint (saved by any strategy on any number of ranks) is read a bounded batch of parameters at a
-time (whole tensors, :data:`LOAD_BATCH_NUMEL` elements per batch) and written into the engine's partitions with
-``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``; the working (bit16 or fp32) copies are then
+time (whole tensors, :data:`LOAD_BATCH_NUMEL` elements per batch) and written into the engine's partitions
+(lightscale/zero/load.py: DeepSpeed's setters, this rank's padded piece under ZeRO-3); the working copies are then
 refreshed from the masters, and the scalar states and hyper-parameters (lr, betas, ...) of each group are set. The
 keys come from the checkpoint: state the optimizer has not created yet (no step taken) is created first.
 

@@ -54,7 +54,7 @@ class Regressor(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        # two outputs: a 1-element bias does not resume under ZeRO-3 on 2 ranks, with local paths too (a bug of its own)
+        # a 1-output head (a 1-element bias under ZeRO-3) is test_zero_small_parameters.py's case, s3:// included
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightscale.patches import Patch, all_patches
+from lightscale.runtime.processes import RESTORING
 
 PRIVATE_APIS = [
     # (module, attribute path, who uses it)
@@ -85,6 +86,12 @@ PRIVATE_APIS = [
     ("lightning.pytorch.callbacks", "WeightAveraging._swap_models", "weight averaging of local shards"),
     ("lightning.pytorch.callbacks", "WeightAveraging._copy_average_to_current", "weight averaging of local shards"),
     ("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
+    ("deepspeed.utils", "safe_set_local_fp32_param", "ZeRO-3 DCP load: this rank's padded piece (public)"),
+    ("deepspeed.utils", "safe_set_local_optimizer_state", "ZeRO-3 DCP load: this rank's padded piece (public)"),
+    *(
+        ("lightning.pytorch.trainer.connectors.checkpoint_connector", f"_CheckpointConnector.{name}", "failure report")
+        for name in RESTORING  # a failure below one of them is reported as the restore, not as the stage to come
+    ),
     ("torch.optim._muon", "_zeropower_via_newtonschulz", "Muon's Newton-Schulz in ShardedMuon and FlatMuon"),
 ]
 
