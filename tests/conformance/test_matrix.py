@@ -79,14 +79,6 @@ REFUSALS: dict[tuple[str, str], str] = {
 # Cells that fail today, each with why: they xfail strictly, so a fix makes its entry fail until removed.
 # (model, name, check) -> the finding.
 KNOWN_BROKEN: dict[tuple[str, str, str], str] = {
-    # DiLoCo's checkpoint of a tied model keeps one name of the tied weight, so the consolidated file misses the other
-    # ("Missing key(s) in state_dict: head.weight").
-    **{
-        (model, name, "consolidate"): "matrix finding: DiLoCo drops a tied weight's second name"
-        for model in ("tied_lm", "hf_gpt2")
-        for name in TRAIN_ALONE
-        if (model, name) not in REFUSALS
-    },
     # cp2 trains Hugging Face GPT-2 and Llama to other weights than one process (30 % apart after 4 steps): their
     # positions come from each rank's local sequence length.
     **{(model, "cp2", "fit"): "matrix finding: cp2 and HF positions" for model in ("hf_gpt2", "hf_llama")},
