@@ -35,8 +35,9 @@ DATA_PARALLEL = {"tp2": 1, "pp2": 1, "tp2_pp2": 1, "cp2": 1, "cp2_tp2": 1}  # th
 # - PowerSGD: rank-4 factors with error feedback, fp32 throughout: its error is a function of the gradients, which the
 #   machine's rounding moves by ~1e-7 relative, not of luck; measured 7.4e-3, bound 2.7x (exact properties:
 #   tests/distributed/test_powersgd.py).
-# - ZeRO++: int8 weights and gradients rounded stochastically, within one step, absmax/127, of each block: relative
-#   <= 1/127 per element, so (first order) the loss too (exact properties: tests/distributed/test_zeropp.py).
+# - ZeRO++: int8 weights and gradients rounded stochastically, each value within one step, absmax/127, of its block:
+#   an error no larger than 1/127 of the block's largest value, so (first order) the loss within 1/127 of itself
+#   (exact properties: tests/distributed/test_zeropp.py).
 APPROXIMATE = {"bucketed_ddp_bf16": 2e-2, "bucketed_ddp_powersgd": 2e-2, "fsdp2_zeropp": 1 / 127}
 # MoE names: test_moe.py; DiLoCo's workers train alone between syncs: test_diloco.py (exact at H=1).
 NAMES = [

@@ -1,8 +1,7 @@
 """Dependencies between lightscale's parts run one way: no import cycle between subpackages / top-level modules
 (``lightscale.X``), counting imports inside functions too, and no import of a lightscale module inside a function
 (an import hidden in a function to dodge a cycle means the layers are wrong). Third-party imports are ignored:
-optional ones may stay lazy. And importing a torch-only building block installs no Lightning patch, while importing the
-package does."""
+optional ones may stay lazy. And importing the package (or any module of it) installs Lightning's patches."""
 
 from __future__ import annotations
 
