@@ -137,7 +137,8 @@ def reset_interrupted_roots(roots: Sequence[nn.Module]) -> None:
     unsharded). A step that raised inside a root's forward left its parameters unsharded, and Lightning's teardown
     (``module.cpu()``) would then raise over the user's error, which the script may be catching."""
     for root in roots:
-        if not isinstance(root, FSDPModule):
+        # A root that never ran forward (refused before the first step) has no iteration state to reset.
+        if not isinstance(root, FSDPModule) or root._get_fsdp_state()._is_root is None:
             continue
         reset = getattr(root, "reset_iter_state", None)
         if reset is not None:

@@ -51,8 +51,11 @@ class Classifier(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grad = self.body[0].weight.grad
+        if grad is None:  # ZeRO keeps gradients in DeepSpeed's buffers, as under Lightning's DeepSpeedStrategy
+            return
         try:  # computed from a gradient (a DTensor under FSDP2)
-            self.log("grad_norm", self.body[0].weight.grad.norm(), sync_dist=True)
+            self.log("grad_norm", grad.norm(), sync_dist=True)
         except Exception as error:
             self.sync_error = f"{type(error).__name__}: {error}"
 
