@@ -352,7 +352,7 @@ def _check_behaviour(ranks: list[dict[str, Any]], reference: dict[str, Any], asp
         assert {"train_loss", "weight_norm", "val_loss"} <= mine["logged"].keys()
         assert "grad_norm" in mine["logged"] or reference["logged"].keys() - mine["logged"].keys() == {"grad_norm"}
         if exact:
-            assert all(_close(mine["logged"][key], value) for key, value in reference["logged"].items())
+            assert all(_close(value, reference["logged"][key]) for key, value in mine["logged"].items())
     elif aspect == "model_checkpoint":  # top-2 by val_loss and last
         assert mine["kept"] == reference["kept"] if exact else len(mine["kept"]) == len(reference["kept"])
     elif aspect == "early_stopping":
