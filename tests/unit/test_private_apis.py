@@ -211,6 +211,14 @@ def test_fit_loop_keeps_its_data_source() -> None:  # ZeRO reads the micro-batch
     assert hasattr(loop, "_data_source") and hasattr(loop._data_source, "is_defined")
 
 
+def test_fsdp_state_says_whether_its_root_ran_forward() -> None:  # lightscale/parallel/fsdp.py reset_interrupted_roots
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert hasattr(FSDPModule, "_get_fsdp_state")
+    assert FSDPState()._is_root is None  # set by the lazy init of the first forward
+
+
 def test_graph_task_id_outside_backward() -> None:
     assert torch._C._current_graph_task_id() == -1  # bucketed_ddp relies on -1 outside a backward pass
 
