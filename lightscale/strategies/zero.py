@@ -79,6 +79,7 @@ from lightscale.zero.partition import (
     flat_groups,
     full_numel,
     is_partitioned,
+    largest_parameter,
     partition,
     regather_persistent,
     stored_tensors,
@@ -303,6 +304,7 @@ class ZeroStrategy(LightscaleStrategy):
             user_config=self.user_config,
             torch_optimizer_on_host=optimizer is not None and type(optimizer).__name__ != "DeepSpeedCPUAdam",
             processes_per_node=self.num_processes,
+            largest_parameter=largest_parameter(self.lightning_module),
         )
         if not fitting and self.options.stage < 3:
             # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain

@@ -145,7 +145,12 @@ def check_zeropp_device(zeropp: ZeroPPOptions, device_type: str) -> None:
         )
 
 
-def zero_section(options: ZeroOptions, *, processes_per_node: int = 1) -> dict[str, Any]:
+def zero_section(
+    options: ZeroOptions, *, processes_per_node: int = 1, largest_parameter: int | None = None
+) -> dict[str, Any]:
+    """``largest_parameter`` (elements) sizes ZeRO-Infinity's parameter swap buffers to the model: DeepSpeed's
+    default, 5 buffers of 1e8 elements, pins 2 GB of host memory per rank in fp32 whatever the model's size, and
+    refuses (at the first swap) any parameter larger than a buffer."""
     section: dict[str, Any] = {"stage": options.stage}
     zeropp = options.zeropp
     if zeropp.weights != "none":
@@ -161,6 +166,8 @@ def zero_section(options: ZeroOptions, *, processes_per_node: int = 1) -> dict[s
         section["offload_optimizer"] = dict(target)
     if options.offload_params:
         section["offload_param"] = dict(target)
+        if options.nvme_path and largest_parameter is not None:
+            section["offload_param"]["buffer_size"] = largest_parameter
     return section
 
 
@@ -198,16 +205,19 @@ def build_config(
     user_config: dict[str, Any] | None = None,
     torch_optimizer_on_host: bool = False,
     processes_per_node: int = 1,
+    largest_parameter: int | None = None,
 ) -> dict[str, Any]:
     """The full engine config: the Trainer's and strategy's settings plus the user's validated extras.
 
     ``torch_optimizer_on_host``: the optimizer is not DeepSpeed's CPU Adam; under optimizer offload it steps the
     host partitions as itself, which DeepSpeed refuses unless ``zero_force_ds_cpu_optimizer`` is False.
     ``processes_per_node``: what ``secondary_shard="node"`` means (DeepSpeed's ``zero_hpz_partition_size``).
+    ``largest_parameter``: the model's largest parameter in elements, where known (sizes NVMe swap buffers).
     """
     user = copy.deepcopy(user_config or {})
     validate_user_config(user)
-    zero = {**user.pop("zero_optimization", {}), **zero_section(options, processes_per_node=processes_per_node)}
+    ours = zero_section(options, processes_per_node=processes_per_node, largest_parameter=largest_parameter)
+    zero = {**user.pop("zero_optimization", {}), **ours}
     on_host = torch_optimizer_on_host and options.offload_optimizer
     return {
         # Any torch optimizer steps the ZeRO partitions (SGD, Lion, ...), as under Lightning's DeepSpeed strategy;

@@ -49,6 +49,11 @@ def full_numel(tensor: Tensor) -> int:
     return int(tensor.ds_numel)  # type: ignore[attr-defined]
 
 
+def largest_parameter(module: torch.nn.Module) -> int:
+    """The number of elements of the module's largest parameter, partitioned (ZeRO-3) or not."""
+    return max((whole_shape(param).numel() for param in module.parameters()), default=1)
+
+
 def stored_tensors(tensor: Tensor) -> list[Tensor]:
     """Every tensor this rank stores for a ZeRO-3 parameter: its partition, and the whole data while it is gathered
     (persistent parameters always are)."""
