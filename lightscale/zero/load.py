@@ -14,13 +14,22 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.zero.partition import fp32_partitions, is_partitioned, master_device, own_piece
+from lightscale.zero.partition import (
+    fp32_partitions,
+    full_shape,
+    is_partitioned,
+    master_device,
+    own_piece,
+    set_full_shape,
+)
 from lightscale.zero.portable import partition_group
 
 
@@ -32,12 +41,26 @@ def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> Non
     if hasattr(param, "ds_id"):  # ZeRO-3: the working partition, rewritten from rank 0's copy
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        with _gathered_as_vector(param), deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
             if dist.get_rank() == 0:  # DeepSpeed's engine always runs in a process group
-                param.data.copy_(value)
+                param.data.copy_(value.reshape(param.data.shape))
     elif zero is None or not param.requires_grad:
         with torch.no_grad():
             param.data.copy_(value)  # ZeRO-1/2 working copies are refreshed from the masters after all batches
+
+
+@contextmanager
+def _gathered_as_vector(param: nn.Parameter) -> Iterator[None]:
+    """A 0-dim ZeRO-3 parameter gathered as shape [1] meanwhile: leaving the gather broadcasts rank 0's bytes
+    (``p.data.view(torch.uint8)``), which a 0-dim tensor refuses (lightscale/zero/engine.py scalars_as_vectors)."""
+    scalar = full_shape(param) == torch.Size([])
+    if scalar:
+        set_full_shape(param, torch.Size([1]))
+    try:
+        yield
+    finally:
+        if scalar:
+            set_full_shape(param, torch.Size([]))
 
 
 def set_full_state(param: nn.Parameter, state: dict[str, Tensor]) -> None:
