@@ -65,7 +65,7 @@ def _fit(strategy: Any, model: str, saves: dict[int, Path], ckpt_path: Path | No
     try:
         trainer = quiet_trainer(
             strategy, devices=dist.get_world_size(), max_steps=STEPS, callbacks=[losses, watch],
-            use_distributed_sampler=False,
+            use_distributed_sampler=False, default_root_dir=next(iter(saves.values())).parent,  # zero_infinity's swap
         )  # fmt: skip
         shards = tuple(lightscale.data_shard())  # known once the Trainer exists: dp x ep shards
         trainer.fit(build(model, seed), _loader(model, shards), ckpt_path=ckpt_path)
