@@ -5,7 +5,6 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
-from lightscale import moved
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
@@ -26,7 +25,6 @@ __all__ = [
     "streams",
 ]
 
-moved.install()  # old module paths keep importing for a release (lightscale/moved.py)
 register_strategies()  # in Lightning's public StrategyRegistry
 # Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/lightning_patches.py).
 patch_lightning()

@@ -20,7 +20,7 @@ FLOORS = {
     "lightscale.errors": 0,
     "lightscale.saved_tensors": 0,
     "lightscale.comm_counter": 0,
-    "lightscale.moved": 0,
+    "lightscale.streams": 8,
     "lightscale.patches": 0,
     "lightscale.runtime": 1,
     "lightscale.storage": 1,
