@@ -8,8 +8,7 @@ Example:
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.strategies.lightning_patches import patch_lightning
-from lightscale.strategies.registry import register_strategies, strategy_table
+from lightscale.strategies.registry import patch_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -26,5 +25,5 @@ __all__ = [
 ]
 
 register_strategies()  # in Lightning's public StrategyRegistry
-# Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/lightning_patches.py).
+# Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/registry.py).
 patch_lightning()

@@ -12,6 +12,8 @@ import pytest
 # old documented path -> new home; each old path is a file of lightscale/ that re-exports the new one's __all__
 MOVED = {
     "lightscale.streams": "lightscale.data.streams",
+    "lightscale.comm_counter": "lightscale.measure.comm_counter",  # docs/strategies/diloco.md's SlowLink
+    "lightscale.storage.local_s3": "lightscale.testing.local_s3",  # python -m, docs/plugins/checkpoint.md
 }
 
 
@@ -29,6 +31,16 @@ def test_package_level_streams_stays_without_a_warning() -> None:  # docs/data.m
     from lightscale.data import streams
 
     assert lightscale.streams.shard_hf is streams.shard_hf
+
+
+def test_old_script_path_runs_the_server_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m lightscale.storage.local_s3 --help`` still answers (the docs' command before the move)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["local_s3", "--help"])
+    with pytest.raises(SystemExit) as done, pytest.warns(DeprecationWarning):
+        runpy.run_module("lightscale.storage.local_s3", run_name="__main__")
+    assert done.value.code == 0
 
 
 def test_no_import_machinery() -> None:
