@@ -92,10 +92,6 @@ REFUSALS: dict[tuple[str, str], str] = {
 # Cells that fail today, each with why: they xfail strictly, so a fix makes its entry fail until removed.
 # (model, name, check) -> the finding.
 KNOWN_BROKEN: dict[tuple[str, str, str], str] = {}
-# Failed once in the whole-suite run of 2026-11-28 and not yet diagnosed (passed in a lone launch): not strict.
-UNDIAGNOSED: dict[tuple[str, str, str], str] = {
-    ("temperature", "zero1", "fit"): "0-dim parameter under zero1: parity failed once in the suite, cause not traced",
-}
 
 
 # Lightning's behaviours (behaviours.py) run in the same launches, under the broad names that run a (features, labels)
@@ -113,8 +109,6 @@ def _cells() -> Iterator[Any]:
                     continue
                 reason = KNOWN_BROKEN.get((model, name, check))
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                if (model, name, check) in UNDIAGNOSED:
-                    marks = [pytest.mark.xfail(strict=False, reason=UNDIAGNOSED[model, name, check])]
                 yield pytest.param(name, model, check, marks=marks, id=f"{name}-{model}-{check}")
 
 
