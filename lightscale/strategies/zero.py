@@ -3,7 +3,9 @@
 Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy. The engine config is generated
 (lightscale/zero/config.py); the engine owns backward, gradient partitioning, clipping and the
 optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
-boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging.
+boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging. This class is
+the Lightning-facing side: DeepSpeed is started through lightscale/zero/build.py, the shard answers are
+strategies/zero_shards.py's.
 """
 
 from __future__ import annotations
