@@ -9,7 +9,8 @@ each worker (with plain DDP inside a worker, all ranks of the same position; wit
 of the global parameters, which every worker then continues from. ``mode="local_sgd"``: the parameters themselves
 are averaged. With ``synchronous_steps=W`` the first ``W`` inner steps are plain data parallelism instead (the
 caller averages every step's gradients with :meth:`OuterSync.average_gradients`; post-local SGD, Lin et al. 2020):
-the workers stay identical, and the rounds start from where synchronous training got to.
+the workers stay identical, and the rounds start from where synchronous training got to. What it may be configured
+with, the defaults and the refusals are parallel/diloco/outer_settings.py's.
 
 Example (each rank of a 2-worker gloo job, one rank per worker):
     >>> sync = OuterSync(model.named_parameters(), sync_every=4)
