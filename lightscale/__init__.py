@@ -8,6 +8,7 @@ Example:
 from lightscale import moved
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
+from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.lightning_patches import patch_lightning
 from lightscale.strategies.registry import register_strategies, strategy_table
@@ -16,6 +17,7 @@ from lightscale.trainer import Trainer
 __version__ = "0.1.0"
 __all__ = [
     "DataShard",
+    "FaultTolerance",
     "Float8Precision",
     "Trainer",
     "__version__",
