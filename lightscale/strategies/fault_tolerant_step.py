@@ -161,14 +161,17 @@ class FaultTolerantReplica:
             return
         sampler.resume_from(epoch, batches * trainer.accumulate_grad_batches)
 
+    def summary(self) -> str:
+        return (
+            f"{self.steps_with_fewer} step(s) committed with fewer than {self.most_replicas} replicas (the missing "
+            f"replicas' batches of those steps were not trained), {self.dropped} dropped (trained by none), "
+            f"{self.heals} heal(s)"
+        )
+
     def finish(self) -> None:
         if self.step is None:
             return
         if self.steps_with_fewer or self.dropped:
-            rank_zero_info(
-                f"lightscale-ft: {self.steps_with_fewer} step(s) committed with fewer than {self.most_replicas} "
-                f"replicas (the missing replicas' batches of those steps were not trained) and {self.dropped} "
-                f"dropped (their batches trained by none)."
-            )
+            rank_zero_info(f"lightscale-ft: {self.summary()}.")
         self.step.shutdown()
         self.step = None
