@@ -209,11 +209,15 @@ class BucketedDDPStrategy(LightscaleStrategy):
             states: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(states, powersgd.state_dict())
             state["lightscale"]["powersgd"] = states
+        if self.ft is not None:
+            state["lightscale"]["fault_tolerance"] = self.ft.checkpoint_state()
         return state
 
     @override
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         super().restore_extras(meta, fitting=fitting)
+        if self.ft is not None and fitting:
+            self.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
         powersgd = self.reducer.powersgd if self.reducer is not None else None
         states = meta.get("lightscale", {}).get("powersgd")
         if fitting and powersgd is not None and states:

@@ -78,6 +78,7 @@ class FaultTolerantReplica:
         self.most_replicas = 0
         self.steps_with_fewer = 0  # committed with fewer replicas than the most seen: a missing part's batch skipped
         self.dropped = 0
+        self.resumed_steps: int | None = None  # torchft's step count in the checkpoint this run resumed from
 
     def join(self, trainer: Trainer, loader: object) -> None:
         """The first quorum, before the data is read: a replica behind its peers heals here and reads on from them."""
@@ -87,7 +88,22 @@ class FaultTolerantReplica:
             self.step = FaultTolerantStep(
                 self.settings, state_dict=self.state_dict, load_state_dict=self.load_state_dict, group=group
             )
+            if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
+                self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
         self.step.begin()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """In the portable layout's trainer state: the steps committed, so that after a whole job was lost and every
+        replica resumed from its own save, the first quorum makes the replica with the newest save the source."""
+        return {"replica": self.settings.resolved_replica_id(), "committed_steps": self._committed_steps()}
+
+    def restore_checkpoint_state(self, state: dict[str, Any] | None) -> None:
+        self.resumed_steps = None if state is None else int(state["committed_steps"])
+
+    def _committed_steps(self) -> int:
+        if self.step is not None:
+            return self.step.committed_steps
+        return self.resumed_steps or 0
 
     def begin(self, trainer: Trainer, batch_idx: int) -> None:
         self.position = (trainer.current_epoch, batch_idx)

@@ -35,6 +35,7 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -92,9 +93,11 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
         min_replicas=1 if mode == "ft_kill" else 2, timeout_s=5, quorum_timeout_s=30,
     )  # fmt: skip
     strategy = BucketedDDPStrategy(fault_tolerant=ft)
+    # Each replica saves the portable layout at the end of the short run (the torchft step count in it).
+    saves = [ModelCheckpoint(dirpath=flags / f"checkpoints{replica}", every_n_train_steps=steps)] * (mode == "ft")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Events()], limit_val_batches=0)  # fmt: skip
+                         logger=False, enable_checkpointing=bool(saves), enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Events(), *saves], limit_val_batches=0)  # fmt: skip
     trainer.fit(Regression())
 
 
@@ -192,6 +195,9 @@ def test_two_replicas_equal_bucketed_ddp_at_world_size_two(tmp_path: Path) -> No
     steps = [e for e in read_events(tmp_path / "events") if e["event"] == "step" and e["mode"] == "ft"]
     assert {e["participants"] for e in steps} == {2} and len(steps) == 2 * 6
     assert "lightscale-ft: step 6 committed, 2 replica(s)" in (tmp_path / "ft0.0.txt").read_text()
+    for replica in range(2):  # each replica saved the portable layout, torchft's step count in it
+        state = torch.load(tmp_path / f"checkpoints{replica}" / "epoch=0-step=6.ckpt" / "trainer_state.pt")
+        assert state["lightscale"]["fault_tolerance"] == {"replica": f"replica_{replica}", "committed_steps": 6}
 
 
 def test_min_replicas_not_met_fails_clearly_after_the_quorum_timeout() -> None:
