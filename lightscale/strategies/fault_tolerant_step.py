@@ -175,7 +175,7 @@ class FaultTolerantReplica:
                 f"loader is (epoch {trainer.current_epoch}; sampler {type(sampler).__name__})."
             )
             return
-        sampler.resume_from(epoch, batches * trainer.accumulate_grad_batches)
+        sampler.resume_from(epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
 
     def summary(self) -> str:
         return (
