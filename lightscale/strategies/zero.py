@@ -30,6 +30,7 @@ from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import exact_optimizer
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
+from lightscale.patches.deepspeed import release_training_references
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import (
     Compression,
@@ -373,4 +374,6 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
     def teardown(self) -> None:
         if self.model is not None and self.lightning_module is not None:
             self.model = self.lightning_module
+        if self._engine is not None:  # kept for save_checkpoint and evaluation, but freed with the strategy
+            release_training_references(self._engine)
         super().teardown()
