@@ -144,6 +144,7 @@ class FaultTolerantReplica:
             "optim_progress": loop.automatic_optimization.optim_progress.state_dict(),
             "manual_progress": loop.manual_optimization.optim_step_progress.state_dict(),
             "batches_that_stepped": loop._batches_that_stepped,
+            "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
             "rng": _collect_rng_states(),
             "position": list(self.position),
         }
@@ -161,6 +162,8 @@ class FaultTolerantReplica:
         loop.manual_optimization.optim_step_progress.load_state_dict(state["manual_progress"])
         loop._batches_that_stepped = state["batches_that_stepped"]
         _set_rng_states(state["rng"])
+        if not self.reading:  # before the first epoch starts: it starts at the peers' epoch (the sampler's too)
+            trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
         self.heals += 1
         self._read_on_from(*state["position"])
         rank_zero_info(f"lightscale-ft: healed from {state['replica']} at step {trainer.global_step}")
