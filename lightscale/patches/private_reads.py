@@ -138,6 +138,8 @@ PATCHES = [
         "a public accessor of the fit loop's data source",
         attributes=("lightning.pytorch.loops.fit_loop:_FitLoop", ("_data_source",)),
     ),
+    read("lightning.fabric.utilities.seed", "_collect_rng_states", "fault-tolerant step: the random states it replays"),
+    read("lightning.fabric.utilities.seed", "_set_rng_states", "fault-tolerant step: the random states it replays"),
     Patch(
         "LightningModule._trainer",
         "read",
