@@ -124,6 +124,9 @@ class BucketedDDPStrategy(LightscaleStrategy):
     # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): the reducer over the worker's ranks -----------
     shards_parameters = False
 
+    def check_inner_settings(self) -> None:
+        """Every setting nests: the reducer runs over the worker's ranks."""
+
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(
             self.precision_rules, precision_name(plugin), device_type=device_type, compression=self.compression

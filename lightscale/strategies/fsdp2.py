@@ -278,6 +278,14 @@ class FSDP2Strategy(LightscaleStrategy):
     # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): FSDP2 over the worker's ranks -----------------
     shards_parameters = True
 
+    def check_inner_settings(self) -> None:
+        if self.offload or self.dp_replicate != 1:
+            raise ConfigurationError(
+                f"inner=FSDP2Strategy(offload={self.offload}, dp_replicate={self.dp_replicate}) cannot run inside a "
+                "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
+                "workers are DiLoCo's replicas."
+            )
+
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         name = precision_name(plugin)
         enforce_contract(self.precision_rules, name, device_type=device_type, compression=self.compression)

@@ -35,6 +35,10 @@ class InnerStrategy(Protocol):
         """Whether the worker's ranks each hold a shard (FSDP2) rather than the whole model (a reducer)."""
         ...
 
+    def check_inner_settings(self) -> None:
+        """Refuse (``ConfigurationError``) settings of this object that cannot run inside a worker."""
+        ...
+
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         """The precision plugin the worker runs with, checked against this strategy's contract."""
         ...

@@ -13,7 +13,7 @@ adds to the strategy: lightscale/strategies/diloco/fault_tolerant.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, Literal
@@ -69,7 +69,7 @@ from lightscale.strategies.inner import InnerStrategy
 from lightscale.strategies.weight_averaging import drop_average
 
 # inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
-INNER_CLASSES: dict[str, type[BucketedDDPStrategy | FSDP2Strategy]] = {
+INNER_CLASSES: dict[str, Callable[[], InnerStrategy]] = {
     cls.default_name(): cls for cls in (BucketedDDPStrategy, FSDP2Strategy)
 }
 INNERS: tuple[str, ...] = tuple(INNER_CLASSES)
@@ -83,9 +83,10 @@ class DiLoCoStrategy(LightscaleStrategy):
     Args:
         workers: replica groups that sync every ``sync_every`` steps; default one per node on several nodes, one
             per rank on one machine. Must divide the world size.
-        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or a
-            ``BucketedDDPStrategy(...)`` / ``FSDP2Strategy(...)`` object whose own settings (bucket sizes, bf16 or
-            PowerSGD gradients, FSDP2's reduce dtype) the worker runs with (lightscale/strategies/inner.py).
+        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or any
+            object that answers :class:`~lightscale.strategies.inner.InnerStrategy` (``BucketedDDPStrategy(...)``,
+            ``FSDP2Strategy(...)``, a user's own) whose settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's
+            reduce dtype) the worker runs with (lightscale/strategies/inner.py).
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
         outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
             ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in
@@ -492,22 +493,18 @@ def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
 
 
 def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
-    """The inner strategy object: a name builds it with its defaults; an object is used as given (its own settings:
-    bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype), refused where it cannot nest."""
+    """The inner strategy object: a name builds it with its defaults; an object satisfying
+    :class:`~lightscale.strategies.inner.InnerStrategy` is used as given (its own settings: bucket sizes, bf16 or
+    PowerSGD gradients, FSDP2's reduce dtype), after refusing the settings it says cannot nest."""
     if isinstance(inner, str) and inner in INNER_CLASSES:
         return INNER_CLASSES[inner]()
-    if not isinstance(inner, BucketedDDPStrategy | FSDP2Strategy):
+    if isinstance(inner, str) or not isinstance(inner, InnerStrategy):
         raise ConfigurationError(
-            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a "
-            "BucketedDDPStrategy / FSDP2Strategy object (engines that own the optimizer step, such as DeepSpeed's "
-            "ZeRO, and tp/pp layouts do not nest)."
+            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a strategy "
+            "object that answers lightscale.strategies.inner.InnerStrategy (BucketedDDPStrategy, FSDP2Strategy; "
+            "engines that own the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
         )
-    if isinstance(inner, FSDP2Strategy) and (inner.offload or inner.dp_replicate != 1):
-        raise ConfigurationError(
-            f"inner=FSDP2Strategy(offload={inner.offload}, dp_replicate={inner.dp_replicate}) cannot run inside a "
-            "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
-            "workers are DiLoCo's replicas."
-        )
+    inner.check_inner_settings()
     return inner
 
 
