@@ -19,12 +19,14 @@ What a subclass supplies (``setup`` and the four step methods are one template h
       when the class is defined, also in a user's own file;
     * ``precision_rules`` - its part of the precision contract (a ``PrecisionRules``: how each precision is
       realised, where its engine differs, what it refuses); ``plannable`` - which names ``fit_memory`` /
-      ``lightscale plan`` may choose; ``memory_layout(world_size)`` - how it holds the model, for the estimator.
+      ``lightscale plan`` may choose; ``layout_for(world_size, **init_params)`` - how it holds the model, for the
+      estimator, from the class (no instance).
 See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any, ClassVar
@@ -107,18 +109,16 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     def memory_layout(self, world_size: int) -> Layout:
         """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""
-        described = [
-            known.__name__ for known in REGISTERED if known.memory_layout is not LightscaleStrategy.memory_layout
-        ]
-        raise ConfigurationError(
-            f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
-        )
+        return type(self).layout_for(world_size)
 
     @classmethod
     def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
-        """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner. Built
-        and asked here; a class whose construction needs its engine answers from the parameters alone (ZeRO)."""
-        return cls(**init_params).memory_layout(world_size)
+        """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner: read
+        from the class and the parameters (``init_arguments``), no instance built, so no patch installed and no
+        engine needed (ZeRO without DeepSpeed). Each family says; the instance's ``memory_layout`` asks the same."""
+        own = LightscaleStrategy.layout_for.__func__  # type: ignore[attr-defined]
+        described = [known.__name__ for known in REGISTERED if known.layout_for.__func__ is not own]
+        raise ConfigurationError(f"No memory layout for {cls.__name__}; lightscale estimates {', '.join(described)}.")
 
     @classmethod
     def default_name(cls) -> str:
@@ -382,6 +382,17 @@ class LightscaleStrategy(CheckpointingStrategy):
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def init_arguments(cls: type, init_params: dict[str, Any]) -> dict[str, Any]:
+    """``cls``'s own keyword arguments as a construction with ``init_params`` would see them (its defaults where not
+    given), for the answers a class gives without an instance (``layout_for``)."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(cls.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    return defaults | init_params
 
 
 def names_by_view() -> dict[str, ParameterView]:

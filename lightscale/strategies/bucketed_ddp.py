@@ -71,10 +71,11 @@ class BucketedDDPStrategy(LightscaleStrategy):
     def runs_stochastic_weight_averaging(self) -> bool:
         return True  # whole parameters, the user's torch optimizer
 
+    @classmethod
     @override
-    def memory_layout(self, world_size: int) -> Layout:
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         """Every state replicated on every rank."""
-        return Layout(type(self).__name__, world_size, dp_replicate=world_size)
+        return Layout(cls.__name__, world_size, dp_replicate=world_size)
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
-from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.base import LightscaleStrategy, init_arguments
 
 
 class FSDP2Strategy(LightscaleStrategy):
@@ -132,19 +132,19 @@ class FSDP2Strategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """Every state sharded over ``dp_shard`` ranks (replicated over ``dp_replicate`` groups), offload to host."""
         dims = self.parallel_dims(world_size)
-        return Layout(
-            type(self).__name__,
-            world_size,
-            shard_optimizer=True,
-            shard_gradients=True,
-            shard_parameters=True,
-            dp_shard=dims.dp_shard,
-            dp_replicate=dims.dp_replicate,
-            offload_optimizer=self.offload,
-            offload_parameters=self.offload,
-            activation_checkpointing=self.activation_checkpointing,
-            secondary_shard=self._secondary_size(dims.dp_shard) or 1,
+        return _fsdp2_layout(
+            type(self).__name__, dims, self.offload, self.activation_checkpointing, self._secondary_size(dims.dp_shard)
         )
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters (without a Trainer: one node)."""
+        p = init_arguments(cls, init_params)
+        dims = ParallelDims(world_size=world_size, dp_replicate=p["dp_replicate"], dp_shard=p["dp_shard"])
+        zeropp = ZeroPPOptions(p["quantized_weights"], p["quantized_gradients"], p["secondary_shard"])
+        secondary = _secondary_size(zeropp, dims.dp_shard, per_node=0)  # 0: no devices known, as an instance
+        return _fsdp2_layout(cls.__name__, dims, p["offload"], p["activation_checkpointing"], secondary)
 
     reads_single_files = False
     parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
@@ -266,10 +266,7 @@ class FSDP2Strategy(LightscaleStrategy):
         return self._secondary_size(self.dims.dp_shard) or self.reshard_after_forward
 
     def _secondary_size(self, dp_shard: int) -> int | None:
-        """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
-        shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
-        size = self.zeropp.secondary_group_size(dp_shard=dp_shard, per_node=self.num_processes)
-        return size if size is not None and 1 < size < dp_shard else None
+        return _secondary_size(self.zeropp, dp_shard, per_node=self.num_processes)
 
     @override
     def model_to_device(self) -> None:
@@ -346,3 +343,28 @@ def _check_offload(offload: bool, pin_memory: bool | None) -> None:
             "offload=True with pin_memory=True needs CUDA: pinned host memory only exists for an accelerator. "
             "Use pin_memory=False (or leave it unset) on a CPU-only machine."
         )
+
+
+def _secondary_size(zeropp: ZeroPPOptions, dp_shard: int, *, per_node: int) -> int | None:
+    """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
+    shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
+    size = zeropp.secondary_group_size(dp_shard=dp_shard, per_node=per_node)
+    return size if size is not None and 1 < size < dp_shard else None
+
+
+def _fsdp2_layout(
+    name: str, dims: ParallelDims, offload: bool, activation_checkpointing: ACMode, secondary: int | None
+) -> Layout:
+    return Layout(
+        name,
+        dims.world_size,
+        shard_optimizer=True,
+        shard_gradients=True,
+        shard_parameters=True,
+        dp_shard=dims.dp_shard,
+        dp_replicate=dims.dp_replicate,
+        offload_optimizer=offload,
+        offload_parameters=offload,
+        activation_checkpointing=activation_checkpointing,
+        secondary_shard=secondary or 1,
+    )

@@ -13,7 +13,7 @@ adds to the strategy: lightscale/strategies/diloco/fault_tolerant.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, Literal
@@ -56,7 +56,7 @@ from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import FLOAT8
-from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy, init_arguments
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
@@ -69,7 +69,7 @@ from lightscale.strategies.inner import InnerStrategy
 from lightscale.strategies.weight_averaging import drop_average
 
 # inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
-INNER_CLASSES: dict[str, Callable[[], InnerStrategy]] = {
+INNER_CLASSES: dict[str, type[BucketedDDPStrategy] | type[FSDP2Strategy]] = {
     cls.default_name(): cls for cls in (BucketedDDPStrategy, FSDP2Strategy)
 }
 INNERS: tuple[str, ...] = tuple(INNER_CLASSES)
@@ -129,7 +129,8 @@ class DiLoCoStrategy(LightscaleStrategy):
     @classmethod
     @override
     def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
-        return inner_strategy(init_params.get("inner", DEFAULT_INNER)).optimizer_parameter_view()
+        inner = init_params.get("inner", DEFAULT_INNER)  # a name: its class answers, no instance built
+        return INNER_CLASSES[inner].parameter_view if isinstance(inner, str) else inner.optimizer_parameter_view()
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
@@ -189,16 +190,26 @@ class DiLoCoStrategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the
         global copy, the outer momentum (diloco with momentum > 0) and the compression residual."""
-        dims = self.parallel_dims(world_size)
-        sharded = self.inner.shards_parameters
         momentum = self.mode == "diloco" and self.outer_momentum > 0
-        outer = 4 + 4 * momentum + 4 * (self.compression != "none")
-        return Layout(
-            type(self).__name__, world_size, shard_optimizer=sharded, shard_gradients=sharded,
-            shard_parameters=sharded, dp_shard=dims.dp_shard if sharded else 1,
-            dp_replicate=dims.dp_replicate if sharded else world_size,
-            activation_checkpointing=self.activation_checkpointing, outer_state_bytes=outer,
-        )  # fmt: skip
+        dims, sharded = self.parallel_dims(world_size), self.inner.shards_parameters
+        return _diloco_layout(
+            type(self).__name__, dims, sharded, momentum, self.compression, self.activation_checkpointing
+        )
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters (without a Trainer: one node)."""
+        p = init_arguments(cls, init_params)
+        momentum = p["outer_momentum"]
+        momentum = default_outer_step(p["sync_every"])[1] if momentum is None else momentum
+        inner = p["inner"]
+        sharded = (INNER_CLASSES[inner] if isinstance(inner, str) else inner).shards_parameters
+        dims = worker_dims(world_size, 1 if p["fault_tolerant"] is not False else p["workers"] or world_size)
+        diloco_momentum = p["mode"] == "diloco" and momentum > 0
+        return _diloco_layout(
+            cls.__name__, dims, sharded, diloco_momentum, p["compression"], p["activation_checkpointing"]
+        )
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
@@ -206,13 +217,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         workers = self.workers or (self.num_nodes if self.num_nodes > 1 else world_size)
         if self.fault_tolerance is not None:
             workers = 1  # this launch is one worker; the others are launches of their own
-        if world_size % workers:
-            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigurationError(
-                f"workers={workers} does not divide the world size {world_size}: every worker needs the same number "
-                f"of ranks. Choose workers from {valid}."
-            )
-        return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+        return worker_dims(world_size, workers)
 
     @override
     def data_shard_of(self, dims: ParallelDims) -> DataShard:
@@ -506,6 +511,29 @@ def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
         )
     inner.check_inner_settings()
     return inner
+
+
+def worker_dims(world_size: int, workers: int) -> ParallelDims:
+    """``workers`` replicas (``dp_replicate``) of a worker's ranks (``dp_shard``); refused where they do not divide."""
+    if world_size % workers:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigurationError(
+            f"workers={workers} does not divide the world size {world_size}: every worker needs the same number "
+            f"of ranks. Choose workers from {valid}."
+        )
+    return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+
+
+def _diloco_layout(
+    name: str, dims: ParallelDims, sharded: bool, momentum: bool, compression: str, ac: ACMode
+) -> Layout:
+    outer = 4 + 4 * momentum + 4 * (compression != "none")
+    world_size = dims.world_size
+    return Layout(
+        name, world_size, shard_optimizer=sharded, shard_gradients=sharded, shard_parameters=sharded,
+        dp_shard=dims.dp_shard if sharded else 1, dp_replicate=dims.dp_replicate if sharded else world_size,
+        activation_checkpointing=ac, outer_state_bytes=outer,
+    )  # fmt: skip
 
 
 def _check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:

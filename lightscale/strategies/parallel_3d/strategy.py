@@ -58,7 +58,7 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
-from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.base import LightscaleStrategy, init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,
@@ -150,11 +150,20 @@ class Parallel3DStrategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """Dense states sharded by FSDP2 over dp_shard x ep x cp, layers split over tp, stages over pp, sequences over
         cp (activations)."""
-        dims = self.parallel_dims(world_size)
+        return type(self).layout_for(world_size, **{name: getattr(self, name) for name in LAYOUT_SETTINGS})
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters."""
+        p = init_arguments(cls, init_params)
+        dims = dims_of(world_size, p["dp"], p["dp_mode"], tp=p["tp"], pp=p["pp"], ep=p["ep"], cp=p["cp"])
         dense_shard = dims.dp_shard * dims.ep * dims.cp  # FSDP2 shards the dense part over the ep and cp ranks too
         sharded = dense_shard > 1
+        stages_per_rank = p["stages_per_rank"]
+        stages_per_rank = default_stages_per_rank(p["schedule"]) if stages_per_rank is None else stages_per_rank
         return Layout(
-            type(self).__name__,
+            cls.__name__,
             world_size,
             shard_optimizer=sharded,
             shard_gradients=sharded,
@@ -165,13 +174,13 @@ class Parallel3DStrategy(LightscaleStrategy):
             pp=dims.pp,
             ep=dims.ep,
             cp=dims.cp,
-            cp_mode=self.cp_mode,
-            stages_per_rank=self.stages_per_rank if dims.pp > 1 else 1,
-            microbatches=self.microbatches,
-            v_shape=self.schedule == "zbv",
-            activation_checkpointing=self.activation_checkpointing,
-            sequence_parallel=self.sequence_parallel and dims.tp > 1,
-            loss_parallel=self.loss_parallel and dims.tp > 1,
+            cp_mode=p["cp_mode"],
+            stages_per_rank=stages_per_rank if dims.pp > 1 else 1,
+            microbatches=p["pp"] if p["microbatches"] is None else p["microbatches"],
+            v_shape=p["schedule"] == "zbv",
+            activation_checkpointing=p["activation_checkpointing"],
+            sequence_parallel=p["sequence_parallel"] and dims.tp > 1,
+            loss_parallel=p["loss_parallel"] and dims.tp > 1,
         )
 
     reads_single_files = False
@@ -238,16 +247,7 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        shard = self.dp_mode == "shard"
-        return ParallelDims(
-            world_size=world_size,
-            dp_shard=self.dp if shard else 1,
-            dp_replicate=1 if shard else self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            cp=self.cp,
-        )
+        return dims_of(world_size, self.dp, self.dp_mode, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     @override
     def setup_environment(self) -> None:
@@ -391,3 +391,22 @@ class Parallel3DStrategy(LightscaleStrategy):
                 share_trained_stages(self, network)
             self.pipelined.detach()  # the user's network object again, not this rank's pipeline stages
         super().teardown()
+
+
+# What the layout reads of an instance: its init parameters of the same names (microbatches, stages_per_rank resolved).
+LAYOUT_SETTINGS = ("dp", "dp_mode", "tp", "pp", "ep", "cp", "cp_mode", "schedule", "microbatches", "stages_per_rank",
+                   "activation_checkpointing", "sequence_parallel", "loss_parallel")  # fmt: skip
+
+
+def dims_of(world_size: int, dp: int, dp_mode: str, *, tp: int, pp: int, ep: int, cp: int) -> ParallelDims:
+    """The layout: ``dp`` ranks shard (``dp_mode="shard"``) or replicate the dense part, times tp, pp, ep, cp."""
+    shard = dp_mode == "shard"
+    return ParallelDims(
+        world_size=world_size,
+        dp_shard=dp if shard else 1,
+        dp_replicate=1 if shard else dp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        cp=cp,
+    )
