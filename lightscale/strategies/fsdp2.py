@@ -37,15 +37,11 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fsdp import (
-    contains_module,
-    materialize_meta_module,
     no_gradient_sync,
-    torch_generator_states,
 )
 from lightscale.parallel.mesh import ParallelDims, check_degrees
-from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
+from lightscale.parallel.parallelize import ParallelizeOptions, apply_to_roots, built_on_meta, parallelize_model
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import (
@@ -204,8 +200,7 @@ class FSDP2Strategy(LightscaleStrategy):
         if not self.meta_init or float8_options(self.precision_plugin) is not None:
             yield
             return
-        self._rng_state = torch_generator_states()  # materialization replays init from here
-        with torch.device("meta"):
+        with built_on_meta() as self._rng_state:  # materialization replays init from here
             yield
 
     @override
@@ -237,11 +232,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
         self._roots = data_parallel_roots(module, strategy=type(self).__name__)  # refused before any work
-        is_meta = any(p.is_meta for p in module.parameters())
-        device = torch.device("cpu") if self.offload else self.root_device
-        if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
-            module.to(device)
-        broadcast_module_state(module)  # every rank starts from rank 0's weights
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
@@ -253,12 +243,14 @@ class FSDP2Strategy(LightscaleStrategy):
             always_shard=True,
             zeropp=self.zeropp if self.zeropp.enabled else None,
         )
-        units = sharding_units(module, unit_classes=self.unit_classes)
-        for root in self._roots:
-            inside = [unit for unit in units if contains_module(root, unit)]
-            parallelize_model(root, self.device_mesh, units=inside, options=options)
-        if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
-            materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
+        apply_to_roots(
+            module,
+            self._roots,
+            sharding_units(module, unit_classes=self.unit_classes),
+            lambda root, units: parallelize_model(root, self.device_mesh, units=units, options=options),
+            device=torch.device("cpu") if self.offload else self.root_device,
+            rng_state=lambda: self.broadcast(self._rng_state),
+        )
         return module
 
     def _reshard_after_forward(self) -> bool | int:

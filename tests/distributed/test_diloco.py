@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightscale.callbacks import CommMonitor
 from lightscale.checkpoint.convert import read_model_state
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy
+from lightscale.strategies.diloco.checkpoint import global_model
 from lightscale.testing import run_distributed
 
 STEPS = 6
@@ -96,7 +97,8 @@ class GlobalsAtEnd(pl.Callback):
         self.values: dict[str, torch.Tensor] = {}
 
     def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
-        self.values = {name: _full(t) for name, t in trainer.strategy._globals().items()}
+        model = global_model(trainer.lightning_module, trainer.strategy.outer)
+        self.values = {name: _full(t) for name, t in model.items()}
 
 
 def _fit(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from functools import partial
 from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
@@ -39,10 +40,9 @@ from lightscale.layers.moe import moe_layers
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import data_parallel_roots, sharding_units
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
-from lightscale.parallel.fsdp import contains_module
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
+from lightscale.parallel.parallelize import apply_to_roots
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
     schedule_class,
@@ -274,16 +274,13 @@ class Parallel3DStrategy(LightscaleStrategy):
             check_context_parallel_moe(module, cp=self.cp)
             group = context_parallel_group(self.device_mesh)
             self.context_parallel = ContextParallelStep(module, group, mode=self.cp_mode)
-        broadcast_module_state(module)  # every rank starts from rank 0's weights
+        # The same roots as under fsdp2 (same program for the same degrees); a pipeline parallelizes its stages.
+        self._roots = [] if self.dims.pp_enabled else self._data_parallel_roots(module)
+        parallelize = partial(parallelize_part, self, module)
+        apply_to_roots(module, self._roots, sharding_units(module), parallelize)  # placed by model_to_device
         if self.dims.pp_enabled:
             self.pipelined = build_pipeline(self, module, module.model)
             self.pipelined.attach()
-        else:
-            # The same roots as under fsdp2 (same program for the same degrees).
-            self._roots = self._data_parallel_roots(module)
-            units = sharding_units(module)
-            for root in self._roots:
-                parallelize_part(self, module, root, [unit for unit in units if contains_module(root, unit)])
         return module
 
     def _data_parallel_roots(self, module: LightningModule) -> list[nn.Module]:
