@@ -25,7 +25,7 @@ from typing import Any
 
 from bench_diloco import WORKERS, _train, plot, recipe_settings, synchronous_steps_for
 
-from lightscale.parallel.diloco.outer_sync import PAPER_OUTER_STEP
+from lightscale.parallel.diloco.outer_settings import PAPER_OUTER_STEP
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
 from lightscale.testing import run_distributed
 

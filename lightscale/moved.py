@@ -39,7 +39,7 @@ MOVED = {
     "lightscale.strategies.deepspeed_engine": "lightscale.zero.engine",
     "lightscale.strategies.deepspeed_ops": "lightscale.zero.ops",
     "lightscale.checkpoint.deepspeed_dir": "lightscale.zero.checkpoint_dir",
-    "lightscale.checkpoint.zero_portable": "lightscale.zero.portable",
+    "lightscale.checkpoint.zero_portable": "lightscale.zero.portable_save",
     "lightscale.checkpoint.atomic_dir": "lightscale.storage.atomic_dir",
     "lightscale.checkpoint.safe_io": "lightscale.storage.safe_io",
     "lightscale.checkpoint.safe_dcp": "lightscale.storage.safe_dcp",

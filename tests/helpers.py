@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -190,3 +191,21 @@ def _interruption(stop_after: int | None, checkpoint: str | None) -> list[pl.Cal
 def relative_difference(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+# A line is warning-like if it names a warning, a deprecation, or has Python's "file.py:LINE: message" form.
+WARNING_LIKE = re.compile(r"warn|deprecat|\.py:\d+: ", re.IGNORECASE)
+# pattern -> why the line stays (empty: nothing is left). The same list is in docs/architecture.md ("Logs").
+ALLOWED_WARNINGS: dict[str, str] = {}
+
+
+def warning_lines(output: str) -> list[str]:
+    """The warning-like lines of a run's output (not the progress bar's)."""
+    lines = (line.strip() for chunk in output.splitlines() for line in chunk.split("\r"))
+    return [line for line in lines if WARNING_LIKE.search(line) and "it/s" not in line]
+
+
+def unexplained_warnings(output: str) -> list[str]:
+    """The warning-like lines of ``output`` that no ``ALLOWED_WARNINGS`` entry explains: a default run of a packaged
+    config prints no warning a user cannot act on (tests/recipes/test_quiet_logs.py)."""
+    return [line for line in warning_lines(output) if not any(re.search(p, line) for p in ALLOWED_WARNINGS)]

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightscale.comm_counter import CollectiveCounter, Traffic
+from lightscale.data.data_shard import data_shard
 from lightscale.estimate.memory_layout import layout_of
 from lightscale.estimate.model_states import bytes_per_parameter
 from lightscale.estimate.parameters import rank_parameter_sizes
@@ -79,7 +79,7 @@ class CommMonitor(Callback):
             self._counter = None
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, totals: dict[str, Traffic]) -> None:
-        n = _data_parallel(trainer)
+        n = data_shard(trainer).count  # the ranks with batches of their own
         metrics: dict[str, float] = {}
         for kind, traffic in totals.items():
             metrics |= {f"comm/{kind}_bytes": traffic.bytes, f"comm/{kind}_calls": traffic.calls}
@@ -107,8 +107,3 @@ def data_parallel_theory(trainer: Trainer, module: LightningModule) -> float | N
         return None
     grad_bytes = bytes_per_parameter(str(trainer.precision), engine=layout.engine).gradients
     return (3 if layout.shard_parameters else 2) * psi * grad_bytes
-
-
-def _data_parallel(trainer: Trainer) -> int:
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return kwargs.get("num_replicas", dist.get_world_size() if dist.is_initialized() else 1)

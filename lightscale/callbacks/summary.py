@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.throughput import Throughput
+from lightscale.data.data_shard import data_shard
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
 
 
@@ -46,7 +47,7 @@ class RunSummary(Callback):
             self.state_bytes = model_state_bytes(pl_module, trainer.optimizers, strategy=trainer.strategy)
             self.started = time.perf_counter()
         else:
-            self.tokens += _tokens(batch) * trainer.accumulate_grad_batches * _data_parallel_degree(trainer)
+            self.tokens += _tokens(batch) * trainer.accumulate_grad_batches * data_shard(trainer).count
             self.elapsed = time.perf_counter() - self.started
 
     @override
@@ -70,11 +71,6 @@ def _is_step_boundary(trainer: Trainer, batch_idx: int) -> bool:
 def _tokens(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (list, tuple)) else batch
     return first.numel() if isinstance(first, torch.Tensor) else 0
-
-
-def _data_parallel_degree(trainer: Trainer) -> int:
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return kwargs.get("num_replicas", 1)
 
 
 def _gather(value: ModelStateBytes | None) -> list[ModelStateBytes | None]:

@@ -25,6 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightscale.callbacks.flops import flop_counter, peak_flops
+from lightscale.data.data_shard import data_shard
 
 
 class Throughput(Callback):
@@ -62,7 +63,7 @@ class Throughput(Callback):
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counted_flops, self._counter = self._counter.get_total_flops(), None
-        dp = _data_parallel_degree(trainer)
+        dp = data_shard(trainer).count
         module_flops = _flops_of(pl_module)
         # The module's figure is the whole model's per data-parallel batch; the counter saw this rank's share.
         self._flops += (
@@ -125,11 +126,6 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(first, dict):
         first = next(iter(first.values()), None)
     return first if isinstance(first, torch.Tensor) else None
-
-
-def _data_parallel_degree(trainer: Trainer) -> int:
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return kwargs.get("num_replicas", 1)
 
 
 def _now(module: LightningModule) -> float:

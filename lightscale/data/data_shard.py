@@ -10,7 +10,9 @@ number of data shards is ``dp x ep`` and :func:`data_shard` says which one this 
 Every lightscale strategy publishes its shard in this process's environment when the Trainer is constructed and
 again when ``fit`` sets up (before any DataLoader exists), so DataLoader worker processes - forked or spawned, with
 no process group of their own - inherit it. Without a lightscale strategy the answer is the process group's
-``(rank, world_size)``, or ``(0, 1)``.
+``(rank, world_size)``, or ``(0, 1)``. Code that holds the trainer (a callback, a DataModule) passes it and gets the
+shard its strategy hands the sampler (``distributed_sampler_kwargs``): the same split, one function for both. The
+process group of the ranks with different batches is parallel/mesh.py ``batch_mesh`` (its size is ``count``).
 
 Example:
     >>> class Stream(torch.utils.data.IterableDataset):
@@ -22,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -43,13 +45,20 @@ class DataShard(NamedTuple):
     count: int
 
 
-def data_shard() -> DataShard:
+def data_shard(trainer: Any = None) -> DataShard:
     """The data shard this process (a rank, or a DataLoader worker of one) reads; see the module docstring.
+
+    With ``trainer``: the shard its strategy gives the sampler, ``(0, 1)`` under a strategy that shards no data (one
+    device: it has no ``distributed_sampler_kwargs``).
 
     Example:
         >>> index, count = lightscale.data_shard()
         >>> mine = samples[index::count]
+        >>> lightscale.data_shard(trainer).count  # in a callback: the ranks with batches of their own
+        4
     """
+    if trainer is not None:
+        return _sampler_shard(trainer.strategy)
     group = _process_group()
     index, count = os.environ.get(INDEX_VARIABLE), os.environ.get(COUNT_VARIABLE)
     if index is not None and count is not None and _published_for(group):
@@ -71,6 +80,12 @@ def forget_data_shard() -> None:
     """Drop a published shard (a run without a lightscale strategy: the process group's rank is the answer again)."""
     for name in VARIABLES:
         os.environ.pop(name, None)
+
+
+def _sampler_shard(strategy: Any) -> DataShard:
+    # Lightning's parallel strategies (lightscale's among them) define it; single-device ones lack the attribute.
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+    return DataShard(kwargs["rank"], kwargs["num_replicas"]) if kwargs else DataShard(0, 1)
 
 
 def _process_group() -> tuple[int, int] | None:

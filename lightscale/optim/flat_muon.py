@@ -79,7 +79,7 @@ class FlatMuon(torch.optim.Muon):
         if flat is None:
             raise ConfigurationError(
                 "FlatMuon stepped a tensor whose ZeRO layout it was not given: the ZeRO strategy calls "
-                "FlatMuon.attach(...) after building DeepSpeed's engine (lightscale/strategies/zero.py)."
+                "FlatMuon.attach(...) after building DeepSpeed's engine (lightscale/zero/build.py follow_engine)."
             )
         if id(partition) == self._first:
             self._turns.clear()  # a new step: the first owner is rank 0 again

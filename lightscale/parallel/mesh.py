@@ -121,10 +121,6 @@ class ParallelDims:
         tokens). The mesh is ``AXIS_ORDER``, tp fastest then cp: the (dp, ep) index has stride cp x tp."""
         return global_rank // (self.cp * self.tp) % self.data_shards
 
-    def sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
-        """``DistributedSampler`` arguments: one replica per data shard."""
-        return {"num_replicas": self.data_shards, "rank": self.data_rank(global_rank)}
-
 
 def check_degrees(degrees: dict[str, Any], *, inferable: Collection[str] | None = None) -> None:
     """Refuse a degree that is neither a positive integer nor ``-1`` where ``inferable`` (default: every name) allows
@@ -166,8 +162,10 @@ def axis(mesh: DeviceMesh, role: Role) -> DeviceMesh:
 
 def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks that read different batches, flattened: ``dp_replicate x dp_shard x ep`` (expert-parallel ranks have
-    batches of their own; tp, cp and pp ranks share one). One rule for whatever spans the global batch: the
-    sampler's shards (:meth:`ParallelDims.data_rank`), the contrastive gather (parallel/contrastive.py)."""
+    batches of their own; tp, cp and pp ranks share one). One rule for whatever spans the global batch: its size is
+    :attr:`ParallelDims.data_shards` and this rank's place in it :meth:`ParallelDims.data_rank`, the shard the sampler
+    and ``lightscale.data_shard()`` give (tests/unit/test_data_ranks.py); the contrastive gather runs over it
+    (parallel/contrastive.py)."""
     axes = [axis for axis in ("dp_replicate", "dp_shard", "ep") if mesh[axis].size() > 1]
     return _flattened(mesh, axes or ["dp_shard"])
 

@@ -74,6 +74,18 @@ PATCHES = [
         "a weights_only argument to get_fp32_state_dict_from_zero_checkpoint",
         signature=("deepspeed.utils.zero_to_fp32:get_fp32_state_dict_from_zero_checkpoint", ("checkpoint_dir", "tag")),
     ),
+    Patch(
+        "DeepSpeedZeroOptimizer._grad_acc_hooks, parameter_offload.FWD_MODULE_STACK, "
+        "PartitionedParameterCoordinator.__params_to_release's lru_cache",
+        "global",
+        "after a fit the engine stays (save_checkpoint, evaluation) but its gradient hooks, held by autograd in C++, "
+        "close a cycle Python's collector cannot see, and ZeRO-3's module stack and a class-wide cache keep the "
+        "module: every ZeRO fit in a process kept its whole model and optimizer. The hooks are removed (backward "
+        "is over), the engine's module leaves the stack and the cache is emptied",
+        "DeepSpeed releasing these when an engine is dropped (DeepSpeedEngine.destroy also removes the forward hooks "
+        "evaluation after fit still needs)",
+        attributes=("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", ("_grad_acc_hooks",)),
+    ),
 ]
 
 
@@ -125,3 +137,23 @@ def zero_to_fp32_loading_with(load: Callable[..., Any]) -> Iterator[Any]:
         yield zero_to_fp32
     finally:
         zero_to_fp32.torch = original
+
+
+def release_training_references(engine: Any) -> None:
+    """Let ``engine``'s model and optimizer be freed once nothing else holds them (see ``PATCHES``); the engine
+    still saves and evaluates."""
+    optimizer = getattr(engine, "optimizer", None)
+    for hook in getattr(optimizer, "_grad_acc_hooks", ()):
+        hook.remove()
+    if optimizer is not None and hasattr(optimizer, "_grad_acc_hooks"):
+        optimizer._grad_acc_hooks = []
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if m is not engine.module]
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None:
+        owner = coordinator.PartitionedParameterCoordinator
+        cached = vars(owner)["_PartitionedParameterCoordinator__params_to_release"]
+        for cell in cached.__closure__ or ():  # under DeepSpeed's nvtx wrapper
+            if hasattr(cell.cell_contents, "cache_clear"):
+                cell.cell_contents.cache_clear()

@@ -3,13 +3,13 @@
 Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy. The engine config is generated
 (lightscale/zero/config.py); the engine owns backward, gradient partitioning, clipping and the
 optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
-boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging.
+boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging. This class is
+the Lightning-facing side: DeepSpeed is started through lightscale/zero/build.py, the shard answers are
+strategies/zero_shards.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -20,20 +20,17 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from torch import nn
 from typing_extensions import override
 
+from lightscale.checkpoint.load_into_zero import load_zero_state_dict
 from lightscale.checkpoint.portable import AVERAGED, lightning_rest, with_average, write_checkpoint
-from lightscale.checkpoint.zero_load import load_zero_state_dict
 from lightscale.errors import ConfigurationError
-from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
+from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
-from lightscale.optim.combined import CombinedOptimizer
-from lightscale.optim.flat_muon import FlatMuon
-from lightscale.optim.install import attach_flat, exact_optimizer
+from lightscale.optim.install import exact_optimizer
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
-from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
+from lightscale.patches.deepspeed import release_training_references
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import (
     Compression,
@@ -46,52 +43,43 @@ from lightscale.plugins.precision_contract import (
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
-from lightscale.zero.checkpoint_dir import (
-    CHECKPOINT_TAG,
-    load_engine_directory,
-    safe_checkpoint_engine,
-    save_engine_directory,
+from lightscale.strategies.zero_shards import ZeroShards
+from lightscale.zero.build import (
+    construction_config,
+    engine_config,
+    engine_wraps,
+    follow_engine,
+    init_deepspeed_distributed,
+    nvme_options,
+    partitioned_construction,
+    run_options,
+    start_engine,
 )
+from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, load_engine_directory, save_engine_directory
 from lightscale.zero.config import (
     ZeroOptions,
-    build_config,
+    check_clipping,
     check_zeropp_device,
-    micro_batch_size,
     read_user_config,
     validate_user_config,
     writable_dir,
+    zero_layout,
 )
 from lightscale.zero.engine import (
-    EngineRoot,
-    check_async_io,
     check_zero_optimizer,
     explain_partitioned_shapes,
     host_optimizer,
     not_a_boundary,
-    rebind_scheduler,
     refuse_moe,
     require_deepspeed,
-    scalars_as_vectors,
-    silence_deepspeed_noise,
 )
-from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
-from lightscale.zero.partition import (
-    flat_groups,
-    full_numel,
-    is_partitioned,
-    largest_parameter,
-    partition,
-    regather_persistent,
-    stored_tensors,
-    whole_shape,
-)
-from lightscale.zero.portable import group_parameter_names, zero_optimizer, zero_state_dict
+from lightscale.zero.portable_save import group_parameter_names, zero_optimizer, zero_state_dict
 from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
 
-class ZeroStrategy(LightscaleStrategy):
+class ZeroStrategy(ZeroShards, LightscaleStrategy):
     """ZeRO data parallelism on DeepSpeed: shard optimizer state (stage 1), gradients (2) and parameters (3).
 
     Args:
@@ -111,7 +99,7 @@ class ZeroStrategy(LightscaleStrategy):
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
-            number of ranks (lightscale/zero/portable.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            number of ranks (lightscale/zero/portable_save.py); ``"deepspeed"`` saves DeepSpeed's own engine
             directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
@@ -158,42 +146,6 @@ class ZeroStrategy(LightscaleStrategy):
         return type(self).parameter_view_for({"nvme_path": self.options.nvme_path or self._nvme_auto})
 
     @override
-    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A ZeRO-3 parameter's piece is its partition, persistent or not (lightscale/zero/partition.py)."""
-        return partition(tensor) if is_partitioned(tensor) else super().local_shard(tensor)
-
-    @override
-    def after_local_write(self, module: nn.Module) -> None:
-        regather_persistent(list(module.parameters()))
-
-    @override
-    def global_shape(self, tensor: torch.Tensor) -> torch.Size:
-        return whole_shape(tensor)
-
-    @override
-    def global_numel(self, tensor: torch.Tensor) -> int:
-        return full_numel(tensor) if is_partitioned(tensor) else super().global_numel(tensor)
-
-    @override
-    def is_flat_slice(self, tensor: torch.Tensor) -> bool:
-        return is_partitioned(tensor)
-
-    @override
-    def parameter_tensors(self, param: torch.Tensor) -> list[torch.Tensor]:
-        """The partition, and the whole data while a ZeRO-3 parameter is gathered (persistent ones always are)."""
-        return stored_tensors(param) if is_partitioned(param) else super().parameter_tensors(param)
-
-    @override
-    def optimizer_gradient_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
-        return gradient_partitions(optimizer)
-
-    @override
-    def optimizer_state_tensors(self, optimizer: Any) -> Iterator[torch.Tensor]:
-        """The fp32 master partitions, then the wrapped torch optimizer's state."""
-        yield from master_partitions(optimizer)
-        yield from super().optimizer_state_tensors(optimizer)
-
-    @override
     def memory_layout(self, world_size: int) -> Layout:
         """Stage 1 shards optimizer state, 2 gradients too, 3 parameters too; offload moves them to the host."""
         stage, offload_optimizer, offload_params = (
@@ -201,7 +153,7 @@ class ZeroStrategy(LightscaleStrategy):
             self.options.offload_optimizer,
             self.options.offload_params,
         )
-        return _zero_layout(type(self).__name__, world_size, stage, offload_optimizer, offload_params, self.user_config)
+        return zero_layout(type(self).__name__, world_size, stage, offload_optimizer, offload_params, self.user_config)
 
     @classmethod
     @override
@@ -210,7 +162,7 @@ class ZeroStrategy(LightscaleStrategy):
         config = read_user_config(init_params.get("config"))
         stage, offload_optimizer = init_params.get("stage", 2), init_params.get("offload_optimizer", False)
         offload_params = init_params.get("offload_params", False)
-        return _zero_layout(cls.__name__, world_size, stage, offload_optimizer, offload_params, config)
+        return zero_layout(cls.__name__, world_size, stage, offload_optimizer, offload_params, config)
 
     def __init__(
         self,
@@ -269,12 +221,7 @@ class ZeroStrategy(LightscaleStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory comm) once per virtual environment.
-        extensions_dir()
-        silence_deepspeed_noise()
-        import deepspeed
-
-        deepspeed.init_distributed(self.process_group_backend, dist_init_required=False)
+        init_deepspeed_distributed(self.process_group_backend)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -290,69 +237,44 @@ class ZeroStrategy(LightscaleStrategy):
         )
         fitting = trainer.state.fn == TrainerFn.FITTING
         refuse_moe(self.lightning_module)
-        if not fitting and self._engine_wraps(self.lightning_module):
+        if not fitting and engine_wraps(self._engine, self.lightning_module):
             self.model, self.optimizers, self.lr_scheduler_configs = self._engine, [], []  # evaluate after fit
             return
         optimizer, scheduler = self._optimizer_and_scheduler(self.lightning_module) if fitting else (None, None)
-        self.config = build_config(
-            self._resolved_options(trainer),
-            micro_batch_size=micro_batch_size(trainer),
-            accumulate=trainer.accumulate_grad_batches,
-            gradient_clip_val=trainer.gradient_clip_val,
+        self.config = engine_config(
+            self._run_options(trainer),
+            trainer,
+            self.lightning_module,
+            optimizer,
             precision=self.precision_plugin.precision,
             compression=self.compression,
             user_config=self.user_config,
-            torch_optimizer_on_host=optimizer is not None and type(optimizer).__name__ != "DeepSpeedCPUAdam",
             processes_per_node=self.num_processes,
-            largest_parameter=largest_parameter(self.lightning_module),
+            fitting=fitting,
         )
-        if not fitting and self.options.stage < 3:
-            # Evaluation needs no optimizer, and ZeRO-1/2 partition only optimizer state and gradients: a plain
-            # engine holds the (replicated) weights and still loads the checkpoint's module states.
-            self.config["zero_optimization"] = {"stage": 0}
-        self.model = self._engine = self._initialize_engine(self.lightning_module, optimizer)
-        if isinstance(optimizer, (FlatMuon, CombinedOptimizer)):  # where each matrix, each part's partition lies
-            attach_flat(optimizer, flat_groups(zero_optimizer(self._engine)))
+        self.model = self._engine = start_engine(self.lightning_module, optimizer, self.config)
+        follow_engine(self._engine, optimizer, scheduler.scheduler if scheduler is not None else None)
         self.optimizers = [self.model.optimizer] if fitting else []
         self.lr_scheduler_configs = [scheduler] if scheduler is not None else []
-        if scheduler is not None:
-            rebind_scheduler(scheduler.scheduler, optimizer)  # type: ignore[arg-type]
         if fitting:
             adopt_weight_averaging(trainer, self.lightning_module)
         self.barrier()
-
-    def _engine_wraps(self, module: LightningModule) -> bool:
-        root = getattr(self._engine, "module", None)
-        return isinstance(root, EngineRoot) and root._lightning_module[0] is module
 
     @override
     def check_before_launch(self, trainer: Trainer) -> None:
         super().check_before_launch(trainer)
         self._check_trainer(trainer, precision_name(self.precision_plugin))
         if self._nvme_auto:
-            writable_dir(Path(self._nvme_options(trainer).nvme_path or "."))
+            writable_dir(Path(nvme_options(self.options, trainer, self.global_rank).nvme_path or "."))
 
     def _check_trainer(self, trainer: Trainer, precision: str) -> None:
-        if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
-            raise ConfigurationError(
-                "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
-                "by norm only; use gradient_clip_algorithm='norm'."
-            )
+        check_clipping(trainer)
         refuse_impossible(
             self.precision_rules, precision, device_type=self.root_device.type, compression=self.compression
         )
 
-    def _resolved_options(self, trainer: Trainer) -> ZeroOptions:
-        options = self._nvme_options(trainer) if self._nvme_auto else self.options
-        if options.nvme_path:
-            writable_dir(Path(options.nvme_path))
-            check_async_io()
-        return options
-
-    def _nvme_options(self, trainer: Trainer) -> ZeroOptions:
-        # One swap directory per rank: ZeRO-Infinity file names are not unique across ranks of one machine.
-        path = Path(trainer.log_dir or trainer.default_root_dir) / "zero_infinity_swap" / f"rank{self.global_rank}"
-        return dataclasses.replace(self.options, offload_optimizer=True, offload_params=True, nvme_path=str(path))
+    def _run_options(self, trainer: Trainer) -> ZeroOptions:
+        return run_options(self.options, trainer, self.global_rank, nvme_auto=self._nvme_auto)
 
     def _optimizer_and_scheduler(
         self, module: LightningModule
@@ -373,43 +295,16 @@ class ZeroStrategy(LightscaleStrategy):
             optimizer = host_optimizer(optimizer, self.user_config)
         return optimizer, schedulers[0] if schedulers else None
 
-    def _initialize_engine(self, module: LightningModule, optimizer: torch.optim.Optimizer | None) -> Any:
-        import deepspeed
-
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        stage = self.config["zero_optimization"]["stage"]
-        with scalars_as_vectors(module, stage=stage):  # DeepSpeed cannot start with 0-dim parameters; users keep them
-            engine, *_ = deepspeed.initialize(
-                model=EngineRoot(module),
-                model_parameters=parameters if optimizer is not None else None,
-                optimizer=optimizer,
-                config=self.config,
-                dist_init_required=False,
-            )
-        replace_checkpoint_engine(engine, safe_checkpoint_engine)  # resume loads weights-only
-        return engine
-
     @contextmanager
     @override
     def model_sharded_context(self):  # type: ignore[override]
         """Parameters created in ``configure_model`` are partitioned as they are built (stage 3)."""
-        import deepspeed
-
-        enabled = self.options.stage == 3
-        with deepspeed.zero.Init(enabled=enabled, config_dict_or_path=self._init_config() if enabled else None):
+        config = None
+        if self.options.stage == 3:  # the offload path is checked before any work
+            options = self._run_options(self.lightning_module.trainer)
+            config = construction_config(options, user_config=self.user_config, processes_per_node=self.num_processes)
+        with partitioned_construction(config):
             yield
-
-    def _init_config(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return build_config(
-            self._resolved_options(self.lightning_module.trainer),  # checks the offload path before any work
-            micro_batch_size=1,
-            accumulate=1,
-            gradient_clip_val=None,
-            precision="32-true",
-            user_config=self.user_config,
-            processes_per_node=self.num_processes,
-        )
 
     # ---- the step ---------------------------------------------------------------------------------------
     @override
@@ -479,27 +374,6 @@ class ZeroStrategy(LightscaleStrategy):
     def teardown(self) -> None:
         if self.model is not None and self.lightning_module is not None:
             self.model = self.lightning_module
+        if self._engine is not None:  # kept for save_checkpoint and evaluation, but freed with the strategy
+            release_training_references(self._engine)
         super().teardown()
-
-
-# DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
-# drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
-
-
-def _zero_layout(
-    name: str, world_size: int, stage: int, offload_optimizer: bool, offload_params: bool, config: dict[str, Any]
-) -> Layout:
-    zero = config.get("zero_optimization", {})
-    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
-    return Layout(
-        name,
-        world_size,
-        engine="deepspeed",
-        shard_optimizer=True,
-        shard_gradients=stage >= 2,
-        shard_parameters=stage == 3,
-        dp_shard=world_size,
-        offload_optimizer=offload_optimizer,
-        offload_parameters=offload_params,
-        persistence_threshold=threshold if stage == 3 else 0,
-    )

@@ -24,6 +24,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightscale.errors import ConfigurationError
+from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
 from lightscale.parallel.zeropp import ZeroPPOptions
 
 # Keys the Trainer or the strategy owns, and where to set them instead.
@@ -305,6 +306,14 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
+def check_clipping(trainer: Trainer) -> None:
+    if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
+        raise ConfigurationError(
+            "gradient_clip_algorithm='value' is not valid under the ZeRO strategies: DeepSpeed clips gradients "
+            "by norm only; use gradient_clip_algorithm='norm'."
+        )
+
+
 def micro_batch_size(trainer: Trainer) -> int:
     source = trainer.fit_loop._data_source
     if source.is_defined():
@@ -313,3 +322,24 @@ def micro_batch_size(trainer: Trainer) -> int:
         if batch_size:
             return batch_size
     return 1
+
+
+def zero_layout(
+    name: str, world_size: int, stage: int, offload_optimizer: bool, offload_params: bool, config: dict[str, Any]
+) -> Layout:
+    """The memory layout of a ZeRO stage (offload moves state to the host), from the options alone: `lightscale plan`
+    and ``fit_memory`` describe ZeRO without DeepSpeed."""
+    zero = config.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+    return Layout(
+        name,
+        world_size,
+        engine="deepspeed",
+        shard_optimizer=True,
+        shard_gradients=stage >= 2,
+        shard_parameters=stage == 3,
+        dp_shard=world_size,
+        offload_optimizer=offload_optimizer,
+        offload_parameters=offload_params,
+        persistence_threshold=threshold if stage == 3 else 0,
+    )

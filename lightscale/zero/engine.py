@@ -20,7 +20,6 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
-from lightscale.optim.install import rebind_scheduler  # noqa: F401  (its old home: ZeRO's offload uses it)
 from lightscale.patches.deepspeed import name_cpu_accelerator
 from lightscale.zero.partition import is_partitioned, set_full_shape
 
@@ -189,6 +188,8 @@ def check_async_io() -> None:
         )
 
 
+# DeepSpeed calls collectives torch has deprecated, once per parameter fetch: hundreds of identical lines that
+# drown the user's own warnings. Matched by message and by torch's warning site, so nothing else is hidden.
 _DEEPSPEED_NOISE = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 

@@ -91,15 +91,7 @@ REFUSALS: dict[tuple[str, str], str] = {
 
 # Cells that fail today, each with why: they xfail strictly, so a fix makes its entry fail until removed.
 # (model, name, check) -> the finding.
-KNOWN_BROKEN: dict[tuple[str, str, str], str] = {
-    # cp2 trains Hugging Face GPT-2 and Llama to other weights than one process (30 % apart after 4 steps): their
-    # positions come from each rank's local sequence length.
-    **{(model, "cp2", "fit"): "matrix finding: cp2 and HF positions" for model in ("hf_gpt2", "hf_llama")},
-}
-# Failed once in the whole-suite run of 2026-11-28 and not yet diagnosed (passed in a lone launch): not strict.
-UNDIAGNOSED: dict[tuple[str, str, str], str] = {
-    ("temperature", "zero1", "fit"): "0-dim parameter under zero1: parity failed once in the suite, cause not traced",
-}
+KNOWN_BROKEN: dict[tuple[str, str, str], str] = {}
 
 
 # Lightning's behaviours (behaviours.py) run in the same launches, under the broad names that run a (features, labels)
@@ -117,8 +109,6 @@ def _cells() -> Iterator[Any]:
                     continue
                 reason = KNOWN_BROKEN.get((model, name, check))
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                if (model, name, check) in UNDIAGNOSED:
-                    marks = [pytest.mark.xfail(strict=False, reason=UNDIAGNOSED[model, name, check])]
                 yield pytest.param(name, model, check, marks=marks, id=f"{name}-{model}-{check}")
 
 

@@ -105,16 +105,15 @@ def test_a_clean_exit_with_a_watcher_running_never_aborts(tmp_path: Path) -> Non
     script = tmp_path / "clean_exit.py"
     script.write_text(CLEAN_EXIT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(script)],
-            cwd=tmp_path,
-            env={**env, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+    result = subprocess.run(  # one launch of 4 ranks: the abort hit some rank of nearly every launch
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(script)],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_ranks_end_when_their_launcher_dies_during_start_up(tmp_path: Path, corpus_cache: str) -> None:

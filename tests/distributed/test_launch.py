@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import unexplained_warnings
 
 pytestmark = pytest.mark.slow
 LIGHTSCALE = [sys.executable, "-m", "lightscale.cli"]
@@ -38,6 +39,7 @@ def test_cli_launches_its_own_ranks(tmp_path: Path, corpus_cache: str) -> None:
     assert "lightscale run summary (BucketedDDPStrategy, 2 rank(s), 6 steps)" in output
     assert "rank 1:" in output
     assert list((tmp_path / "runs/gpt/tiny_ddp").rglob("events.out.tfevents.*")), "TensorBoard logs written"
+    assert unexplained_warnings(output) == []  # tests/recipes/test_quiet_logs.py's check of this config
 
 
 def test_torchrun(tmp_path: Path, corpus_cache: str) -> None:
@@ -54,6 +56,7 @@ def test_validate_subcommand(tmp_path: Path, corpus_cache: str) -> None:
 def test_zero3_offload_from_yaml(tmp_path: Path, corpus_cache: str) -> None:
     result = _run([*LIGHTSCALE, "fit", "--config", "gpt/tiny_zero3_offload.yaml", *FEW_STEPS], tmp_path, corpus_cache)
     assert "lightscale run summary (ZeroStrategy, 2 rank(s), 6 steps)" in result.stdout + result.stderr
+    assert unexplained_warnings(result.stdout + result.stderr) == []  # as in tests/recipes/test_quiet_logs.py
 
 
 def test_parallel_3d_under_torchrun_on_8_processes(tmp_path: Path, corpus_cache: str) -> None:
@@ -62,3 +65,4 @@ def test_parallel_3d_under_torchrun_on_8_processes(tmp_path: Path, corpus_cache:
     steps = [*FEW_STEPS[:1], "3", *FEW_STEPS[2:]]
     result = _run([*torchrun, "fit", "--config", "gpt/tiny_3d.yaml", *steps], tmp_path, corpus_cache)
     assert "lightscale run summary (Parallel3DStrategy, 8 rank(s), 3 steps)" in result.stdout + result.stderr
+    assert unexplained_warnings(result.stdout + result.stderr) == []  # as in tests/recipes/test_quiet_logs.py

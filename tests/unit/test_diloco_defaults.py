@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightscale.parallel.diloco import OuterSync, default_outer_step
-from lightscale.parallel.diloco.outer_sync import OUTER_STEP_BY_H, PAPER_OUTER_STEP
+from lightscale.parallel.diloco.outer_settings import OUTER_STEP_BY_H, PAPER_OUTER_STEP
 from lightscale.strategies import DiLoCoStrategy
 
 

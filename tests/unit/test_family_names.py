@@ -9,12 +9,12 @@ and the estimator's default are ``cls.default_name()``, an out-of-memory report'
 The scan reads every string constant of lightscale/ (``ast``) equal to a family name. A name inside a longer
 string (a docstring's example, a message naming the strategy to use) is not a use as a key and is not counted.
 ``diloco`` is not in the set: DiLoCo declares no rules of its own (its workers run the inner strategy's), and the
-string names other things owned elsewhere: the outer-sync mode (``parallel/diloco/outer_sync.py``) and the
+string names other things owned elsewhere: the outer-sync mode (``parallel/diloco/outer_settings.py``) and the
 checkpoint section (``checkpoint/diloco_state.py``).
 
 The same scan holds every registered strategy name (``aliases``: ``zero3``, ``fsdp2_offload``, ...) to the module of
 the class that registers it, except DiLoCo's names that are also its outer-sync modes (``MODES``: ``diloco``,
-``local_sgd``), which ``parallel/diloco/outer_sync.py`` owns as values of ``mode=``.
+``local_sgd``), which ``parallel/diloco/outer_settings.py`` owns as values of ``mode=``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ast
 import inspect
 from pathlib import Path
 
-from lightscale.parallel.diloco.outer_sync import MODES
+from lightscale.parallel.diloco.outer_settings import MODES
 from lightscale.strategies.registry import strategy_classes
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"

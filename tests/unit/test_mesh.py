@@ -33,5 +33,5 @@ def test_context_parallel_ranks_share_their_data_shard() -> None:
     dims = ParallelDims(world_size=16, dp_shard=2, ep=2, cp=2, tp=2)
     assert (dims.data_shards, dims.fsdp_size, dims.cp_enabled) == (4, 8, True)
     assert [dims.data_rank(rank) for rank in range(16)] == [r // 4 for r in range(16)]
-    assert dims.sampler_kwargs(13) == {"num_replicas": 4, "rank": 3}
+    assert (dims.data_shards, dims.data_rank(13)) == (4, 3)
     assert ParallelDims(world_size=4, dp_shard=-1, cp=2).dp_shard == 2

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lightscale.zero.engine import rebind_scheduler
+from lightscale.optim.install import rebind_scheduler
 
 
 def _swap(rebind: bool) -> list[str]:

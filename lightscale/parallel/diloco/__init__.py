@@ -4,15 +4,15 @@
 """
 
 from lightscale.parallel.diloco.fault_tolerant import FaultTolerance, FaultTolerantOuterSync, RoundRecord
-from lightscale.parallel.diloco.outer_sync import (
+from lightscale.parallel.diloco.outer_settings import (
     MODES,
-    OuterSync,
     check_outer_settings,
     check_synchronous_steps,
     default_outer_step,
     nesterov_outer_optimizer,
     sgd_outer_optimizer,
 )
+from lightscale.parallel.diloco.outer_sync import OuterSync
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
 from lightscale.parallel.diloco.wire import Codec
 

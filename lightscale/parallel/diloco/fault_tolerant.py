@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.diloco.outer_sync import Mode, OuterOptimizerFactory, OuterSync
+from lightscale.parallel.diloco.outer_settings import Mode, OuterOptimizerFactory
+from lightscale.parallel.diloco.outer_sync import OuterSync
 
 REPLICA_ID_ENV = "LIGHTSCALE_REPLICA_ID"
 

@@ -9,7 +9,8 @@ each worker (with plain DDP inside a worker, all ranks of the same position; wit
 of the global parameters, which every worker then continues from. ``mode="local_sgd"``: the parameters themselves
 are averaged. With ``synchronous_steps=W`` the first ``W`` inner steps are plain data parallelism instead (the
 caller averages every step's gradients with :meth:`OuterSync.average_gradients`; post-local SGD, Lin et al. 2020):
-the workers stay identical, and the rounds start from where synchronous training got to.
+the workers stay identical, and the rounds start from where synchronous training got to. What it may be configured
+with, the defaults and the refusals are parallel/diloco/outer_settings.py's.
 
 Example (each rank of a 2-worker gloo job, one rank per worker):
     >>> sync = OuterSync(model.named_parameters(), sync_every=4)
@@ -20,9 +21,9 @@ Example (each rank of a 2-worker gloo job, one rank per worker):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,43 +32,21 @@ from torch.distributed.tensor import DTensor
 
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import size_buckets
+from lightscale.parallel.diloco.outer_settings import (
+    Mode,
+    OuterOptimizerFactory,
+    Reducer,
+    build_outer_optimizer,
+    check_outer_sync,
+    check_reduce,
+    check_saved_settings,
+    default_outer_step,
+    sgd_outer_optimizer,
+)
 from lightscale.parallel.diloco.schedule import Schedule, split_fragments
-from lightscale.parallel.diloco.wire import Codec, Compression, validate_compression
+from lightscale.parallel.diloco.wire import Codec, Compression
 
-Mode = Literal["diloco", "local_sgd"]
-MODES: tuple[str, ...] = ("diloco", "local_sgd")
-OuterOptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
-Reducer = Callable[[Tensor], "Tensor | None"]  # this worker's flat fp32 payload -> the workers' mean, or None: skip
-
-
-# (largest H, outer lr, outer momentum): the defaults up to the largest H swept (docs/benchmarks.md, "DiLoCo"), the
-# best setting at H = 10 and 30 (first row) and at H = 100 (second); each beat local SGD at its H, which the paper's
-# 0.7 / 0.9 (tuned for H=500 over hundreds of rounds) did not at any H swept. Above the sweep the paper's stand.
-OUTER_STEP_BY_H: tuple[tuple[int, float, float], ...] = ((50, 0.7, 0.5), (100, 1.0, 0.5))
-PAPER_OUTER_STEP = (0.7, 0.9)  # Douillard et al. 2023, H=500
 GRADIENT_BUCKET_BYTES = 64 << 20  # synchronous steps: the extra memory a bucket's flat copy takes at most
-
-
-def default_outer_step(sync_every: int) -> tuple[float, float]:
-    """The default outer SGD ``(lr, Nesterov momentum)`` for ``H = sync_every`` (the paper's above the table)."""
-    for largest_h, lr, momentum in OUTER_STEP_BY_H:
-        if sync_every <= largest_h:
-            return lr, momentum
-    return PAPER_OUTER_STEP
-
-
-def sgd_outer_optimizer(lr: float, momentum: float) -> OuterOptimizerFactory:
-    """Builds the outer SGD (Nesterov when ``momentum > 0``) over the tensors it is given."""
-
-    def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
-
-    return build
-
-
-def nesterov_outer_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
-    """The DiLoCo paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
-    return sgd_outer_optimizer(*PAPER_OUTER_STEP)(params)
 
 
 @dataclass
@@ -132,8 +111,8 @@ class OuterSync:
         synchronous_steps: int = 0,
     ) -> None:
         named = list(named_parameters)
-        _validate(named, mode, compression, outer_optimizer)
-        _validate_reduce(reduce, compression, overlap_steps, synchronous_steps)
+        check_outer_sync(named, mode, compression, outer_optimizer)
+        check_reduce(reduce, compression, overlap_steps, synchronous_steps)
         self.schedule = Schedule(sync_every, fragments, overlap_steps)
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -153,7 +132,7 @@ class OuterSync:
         codec = Codec(self.compression, [self.local(i).numel() for i in indices])
         residual = None if self.compression == "none" else torch.zeros(codec.numel, device=self.params[0].device)
         globals_ = [self.local(i).float().clone() for i in indices]
-        optimizer = None if self.mode == "local_sgd" else _build_outer_optimizer(factory, globals_)
+        optimizer = None if self.mode == "local_sgd" else build_outer_optimizer(factory, globals_)
         return _Fragment(indices, codec, globals_, optimizer, residual)
 
     def local(self, index: int) -> Tensor:
@@ -303,7 +282,7 @@ class OuterSync:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the settings must be those it was saved with."""
-        _check_settings(state["settings"], self._settings())
+        check_saved_settings(state["settings"], self._settings())
         self.step, self.bytes_sent = state["step"], state["bytes_sent"]
         for name, tensor in self.named_globals():
             tensor.copy_(state["global_params"][name])
@@ -323,67 +302,3 @@ class OuterSync:
         # Only when set, so that states saved before the setting existed still load; a run saved without it
         # cannot turn synchronous later (its workers have already parted).
         return settings | ({"synchronous_steps": self.synchronous_steps} if self.synchronous_steps else {})
-
-
-def _validate(
-    named: list[tuple[str, Tensor]], mode: str, compression: str, outer_optimizer: OuterOptimizerFactory | None
-) -> None:
-    if not named:
-        raise ConfigurationError("OuterSync got no parameters; pass model.named_parameters() of a model that has some.")
-    check_outer_settings(mode, compression)
-    if mode == "local_sgd" and outer_optimizer is not None:
-        raise ConfigurationError("mode='local_sgd' averages parameters and has no outer optimizer; "
-                                 "drop outer_optimizer or use mode='diloco'.")  # fmt: skip
-
-
-def check_outer_settings(mode: str, compression: str) -> None:
-    """Refuse an unknown mode or compression, and compression of local SGD's parameters (before any work)."""
-    if mode not in MODES:
-        raise ConfigurationError(f"mode={mode!r} is not valid; choose one of {', '.join(MODES)}.")
-    validate_compression(compression)
-    if mode == "local_sgd" and compression != "none":
-        raise ConfigurationError(
-            f"compression={compression!r} cannot serve mode='local_sgd': it would round the parameters themselves "
-            f"at every sync. Use compression='none', or mode='diloco' (whose pseudo-gradients compress well) with "
-            f"outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0), which averages parameters the same way."
-        )
-
-
-def check_synchronous_steps(synchronous_steps: int, *, fault_tolerant: bool) -> None:
-    """Refuse a negative or non-integer count, and synchronous steps between fault-tolerant workers."""
-    if isinstance(synchronous_steps, bool) or not isinstance(synchronous_steps, int) or synchronous_steps < 0:
-        raise ConfigurationError(f"synchronous_steps={synchronous_steps!r} is not valid; it must be an integer >= 0.")
-    if fault_tolerant and synchronous_steps:
-        raise ConfigurationError(
-            f"synchronous_steps={synchronous_steps} needs every worker in one job, averaging every step's gradients; "
-            f"fault-tolerant workers are separate jobs. Use synchronous_steps=0 with fault tolerance."
-        )
-
-
-def _validate_reduce(reduce: Reducer | None, compression: str, overlap_steps: int, synchronous_steps: int) -> None:
-    check_synchronous_steps(synchronous_steps, fault_tolerant=reduce is not None)
-    if reduce is not None and (compression != "none" or overlap_steps != 0):
-        raise ConfigurationError(
-            f"A custom reduce (fault-tolerant DiLoCo) averages fp32 payloads at once; it needs compression='none' "
-            f"and overlap_steps=0, not compression={compression!r}, overlap_steps={overlap_steps}."
-        )
-
-
-def _build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> torch.optim.Optimizer:
-    optimizer = factory(params)
-    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if given != {id(p) for p in params}:
-        raise ConfigurationError("outer_optimizer must build an optimizer over exactly the tensors it is given.")
-    for group in optimizer.param_groups:
-        lr = float(group.get("lr", 1.0))
-        if not lr > 0:
-            raise ConfigurationError(f"The outer optimizer's lr={lr} is not valid; it must be > 0 (DiLoCo uses 0.7).")
-    return optimizer
-
-
-def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
-    if changed:
-        described = ", ".join(f"{key}: saved {old!r}, now {new!r}" for key, (old, new) in changed.items())
-        raise ConfigurationError(f"The OuterSync state was saved with other settings ({described}); resume with "
-                                 f"the saved settings.")  # fmt: skip

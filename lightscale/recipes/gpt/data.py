@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
+from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt.token_files import (
@@ -281,11 +282,8 @@ class GPTDataModule(pl.LightningDataModule):
     def replicas(self) -> tuple[int, int]:
         """``(num_replicas, rank)`` of data parallelism, from the attached trainer's strategy when there is one."""
         trainer = getattr(self, "trainer", None)
-        # Only parallel strategies define distributed_sampler_kwargs; single-device ones lack the attribute.
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        if kwargs is None:
-            return 1, 0
-        return kwargs["num_replicas"], kwargs["rank"]
+        index, count = data_shard(trainer) if trainer is not None else DataShard(0, 1)
+        return count, index
 
     def _loader(self, dataset: Dataset | None, *, train: bool) -> DataLoader:
         if dataset is None:

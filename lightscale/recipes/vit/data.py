@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 from typing_extensions import override
 
+from lightscale.data.data_shard import DataShard, data_shard
 from lightscale.recipes.gpt.data import StreamSampler
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -108,8 +109,8 @@ def digits_split(
 def replicas_of(module: pl.LightningDataModule) -> tuple[int, int]:
     """``(num_replicas, rank)`` of data parallelism, from the attached trainer's strategy when there is one."""
     trainer = getattr(module, "trainer", None)
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-    return (1, 0) if kwargs is None else (kwargs["num_replicas"], kwargs["rank"])
+    index, count = data_shard(trainer) if trainer is not None else DataShard(0, 1)
+    return count, index
 
 
 def train_loader(dataset: Dataset, module: pl.LightningDataModule, batch_size: int, seed: int) -> DataLoader:

@@ -7,7 +7,8 @@ What happens around each step call (training, validation, test), without touchin
   dimension (the model contract's ``sequence_dims``, default dimension 1 of ``(tokens, targets)``), zigzag order;
 * a :class:`~lightscale.parallel.context_parallel.ContextParallelAttention` mode routes every SDPA call to
   context-parallel attention over the cp group (blocks recomputed in backward by activation checkpointing re-enter
-  it); the model reads its tokens' global positions from ``context_parallel.positions``;
+  it); the model reads its tokens' global positions from ``context_parallel.positions`` (a Hugging Face model is
+  given them as ``position_ids``: lightscale/parallel/context_parallel/hf_positions.py);
 * the first training step checks that the model called SDPA at all (else its attention saw only local tokens);
 * the module's loss is its mean over the local tokens: equal token counts make the mean over cp ranks the global
   mean, and FSDP2 over ``dp_shard x cp`` averages the cp ranks' gradients.
@@ -32,6 +33,7 @@ from torch.distributed import ProcessGroup
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.parallel.context_parallel import ContextParallelAttention, Mode, check_sequence_length, shard_batch
+from lightscale.parallel.context_parallel.hf_positions import feed_global_positions
 from lightscale.parallel.contract import has_hook, sequence_dims_of
 from lightscale.patches.lightning import logged_values_synced
 
@@ -48,6 +50,7 @@ class ContextParallelStep:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.attention = ContextParallelAttention(group, mode=mode)
         self._checked_calls = False
+        self._position_hooks = feed_global_positions(module)
 
     @contextmanager
     def serving(self, trainer: Trainer, reduce: Reduce) -> Iterator[None]:

@@ -1,5 +1,6 @@
-"""Writing whole tensors into a ZeRO engine, one parameter at a time: what lightscale/checkpoint/zero_load.py calls
-to fill an engine from the portable layout (the save side: lightscale/zero/portable.py).
+"""Writing whole tensors into a ZeRO engine's partitions, one parameter at a time: what
+lightscale/checkpoint/load_into_zero.py calls to fill an engine from the portable layout (the save side:
+lightscale/zero/portable_save.py).
 
 DeepSpeed's own helpers write a full fp32 weight or optimizer state into this rank's partition: ZeRO-1/2's
 (``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``) find the parameter's fragment themselves; ZeRO-3's
@@ -30,7 +31,7 @@ from lightscale.zero.partition import (
     own_piece,
     set_full_shape,
 )
-from lightscale.zero.portable import partition_group
+from lightscale.zero.portable_save import partition_group
 
 
 def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:

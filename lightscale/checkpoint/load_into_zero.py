@@ -1,9 +1,9 @@
-"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/zero/portable.py).
+"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/zero/portable_save.py).
 
-A bounded batch of whole parameters at a time (:data:`LOAD_BATCH_NUMEL` elements) is read and written into the
-engine's partitions (lightscale/zero/load.py: DeepSpeed's own setters); the working copies are then refreshed from
-the masters, and each group's scalar states and hyper-parameters are set. This module reads the layout; every
-DeepSpeed attribute it needs is asked of lightscale/zero/.
+A bounded batch of whole parameters at a time (:data:`LOAD_BATCH_NUMEL` elements) is read and written into the engine's
+partitions (lightscale/zero/partition_writes.py: DeepSpeed's own setters); the working copies are then refreshed from
+the masters, and each group's scalar states and hyper-parameters are set. This module reads the layout; every DeepSpeed
+attribute it needs is asked of lightscale/zero/.
 
 Example:
     >>> load_zero_state_dict(path, engine, module, group_names, optimizer=True)
@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightscale.checkpoint.portable import layout_entries, read_checkpoint
 from lightscale.storage.atomic_dir import complete_checkpoint
-from lightscale.zero.load import refresh_working_copies, set_full_state, set_full_weight, set_scalars
 from lightscale.zero.partition import whole_numel, whole_shape
-from lightscale.zero.portable import materialize_optimizer_state, unique_parameters, zero_optimizer
+from lightscale.zero.partition_writes import refresh_working_copies, set_full_state, set_full_weight, set_scalars
+from lightscale.zero.portable_save import materialize_optimizer_state, unique_parameters, zero_optimizer
 
 LOAD_BATCH_NUMEL = 1 << 26  # elements of parameters read per batch at load (x3 with Adam's two moments, fp32)
 
