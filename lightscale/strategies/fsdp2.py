@@ -53,7 +53,8 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
-from lightscale.strategies.base import LightscaleStrategy, init_arguments
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.class_answers import init_arguments
 
 
 class FSDP2Strategy(LightscaleStrategy):

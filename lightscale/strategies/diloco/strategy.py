@@ -53,8 +53,9 @@ from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import FLOAT8
-from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy, init_arguments
+from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.diloco.checkpoint import global_model, refuse_single_file, resumes_exactly
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
@@ -62,6 +63,7 @@ from lightscale.strategies.diloco.fault_tolerant import (
     join_first_quorum,
     worker_data_shard,
 )
+from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back
 from lightscale.strategies.diloco.workers import (
     DEFAULT_INNER,
     Inner,
@@ -352,7 +354,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Lightning calls this once per optimizer step (after accumulation): the outer step follows the inner one.
         A synchronous step averages the gradients over the workers inside the closure, before clipping sees them."""
         if self.outer is not None and self.outer.synchronous:
-            closure = _averaging_gradients(closure, self.outer)
+            closure = averaging_gradients(closure, self.outer)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
@@ -372,17 +374,12 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Validation measures the global model (as DiLoCo reports); each worker's own parameters come back after."""
         super().on_validation_start()
         if self.outer is not None:
-            self._kept_locals = [self.outer.local(i).clone() for i in range(len(self.outer.params))]
-            with torch.no_grad():
-                for i, (_, tensor) in enumerate(self.outer.named_globals()):
-                    self.outer.local(i).copy_(tensor)
+            self._kept_locals = globals_in(self.outer)
 
     @override
     def on_validation_end(self) -> None:
         if self.outer is not None and self._kept_locals is not None:
-            with torch.no_grad():
-                for i, kept in enumerate(self._kept_locals):
-                    self.outer.local(i).copy_(kept)
+            locals_back(self.outer, self._kept_locals)
             self._kept_locals = None
         super().on_validation_end()
 
@@ -444,12 +441,3 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.ft = None
         self.outer = None
         super().teardown()
-
-
-def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
-    def closure_then_average() -> Any:
-        result = closure()
-        outer.average_gradients()
-        return result
-
-    return closure_then_average

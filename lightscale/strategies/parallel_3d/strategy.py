@@ -58,11 +58,13 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
-from lightscale.strategies.base import LightscaleStrategy, init_arguments
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,
 )
+from lightscale.strategies.parallel_3d.layout import LAYOUT_SETTINGS, dims_of, parallel_3d_layout
 from lightscale.strategies.parallel_3d.model import (
     build_pipeline,
     check_cp_options,
@@ -156,32 +158,7 @@ class Parallel3DStrategy(LightscaleStrategy):
     @override
     def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         """As ``memory_layout`` answers, from the parameters."""
-        p = init_arguments(cls, init_params)
-        dims = dims_of(world_size, p["dp"], p["dp_mode"], tp=p["tp"], pp=p["pp"], ep=p["ep"], cp=p["cp"])
-        dense_shard = dims.dp_shard * dims.ep * dims.cp  # FSDP2 shards the dense part over the ep and cp ranks too
-        sharded = dense_shard > 1
-        stages_per_rank = p["stages_per_rank"]
-        stages_per_rank = default_stages_per_rank(p["schedule"]) if stages_per_rank is None else stages_per_rank
-        return Layout(
-            cls.__name__,
-            world_size,
-            shard_optimizer=sharded,
-            shard_gradients=sharded,
-            shard_parameters=sharded,
-            dp_shard=dense_shard,
-            dp_replicate=dims.dp_replicate,
-            tp=dims.tp,
-            pp=dims.pp,
-            ep=dims.ep,
-            cp=dims.cp,
-            cp_mode=p["cp_mode"],
-            stages_per_rank=stages_per_rank if dims.pp > 1 else 1,
-            microbatches=p["pp"] if p["microbatches"] is None else p["microbatches"],
-            v_shape=p["schedule"] == "zbv",
-            activation_checkpointing=p["activation_checkpointing"],
-            sequence_parallel=p["sequence_parallel"] and dims.tp > 1,
-            loss_parallel=p["loss_parallel"] and dims.tp > 1,
-        )
+        return parallel_3d_layout(cls.__name__, world_size, init_arguments(cls, init_params))
 
     reads_single_files = False
 
@@ -388,22 +365,3 @@ class Parallel3DStrategy(LightscaleStrategy):
                 share_trained_stages(self, network)
             self.pipelined.detach()  # the user's network object again, not this rank's pipeline stages
         super().teardown()
-
-
-# What the layout reads of an instance: its init parameters of the same names (microbatches, stages_per_rank resolved).
-LAYOUT_SETTINGS = ("dp", "dp_mode", "tp", "pp", "ep", "cp", "cp_mode", "schedule", "microbatches", "stages_per_rank",
-                   "activation_checkpointing", "sequence_parallel", "loss_parallel")  # fmt: skip
-
-
-def dims_of(world_size: int, dp: int, dp_mode: str, *, tp: int, pp: int, ep: int, cp: int) -> ParallelDims:
-    """The layout: ``dp`` ranks shard (``dp_mode="shard"``) or replicate the dense part, times tp, pp, ep, cp."""
-    shard = dp_mode == "shard"
-    return ParallelDims(
-        world_size=world_size,
-        dp_shard=dp if shard else 1,
-        dp_replicate=1 if shard else dp,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        cp=cp,
-    )
