@@ -1,9 +1,9 @@
 """Two "datacenters" on one machine joined by a slow link: step time of synchronous DDP ÷ DiLoCo at that bandwidth.
 
 Two workers of one rank each (the tiny GPT, fp32, AdamW inside), every collective followed by the time its ring
-traffic would take on the link (lightscale.comm_counter.SlowLink: no overlap of communication with compute). Both
-sides train the same steps, interleaved A B B A; the figure is the mean step time (DiLoCo's syncs included), warm-up
-steps dropped.
+traffic would take on the link (lightscale.measure.comm_counter.SlowLink: no overlap of communication with compute).
+Both sides train the same steps, interleaved A B B A; the figure is the mean step time (DiLoCo's syncs included),
+warm-up steps dropped.
 
     python benchmarks/bench_slow_link.py [--mbytes-per-second 10] [--steps 60] [--repeats 2]
 """
@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from common import StepTimer, interleaved, median, timed_trainer
 
-from lightscale.comm_counter import SlowLink
+from lightscale.measure.comm_counter import SlowLink
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy

@@ -8,7 +8,7 @@
    logged) of the last 20 % of steps and the final validation loss, each ÷ fsdp2's, and the ratio per tenth of the run.
    The earlier version trained in-process with its own seed (0) and warm-up (10) and read every rank's loss: it
    reported int8/int8 at 1.0002 of fsdp2 where this command measured 1.15 (round-to-nearest, 600 steps).
-2. Slow link: the same ranks as two "nodes" joined by a throttled link (lightscale.comm_counter.SlowLink, every
+2. Slow link: the same ranks as two "nodes" joined by a throttled link (lightscale.measure.comm_counter.SlowLink, every
    collective waits for its ring traffic at ``--mbytes-per-second``; no overlap), step time of fsdp2 ÷ fsdp2 + ZeRO++
    int8/int8, interleaved A B B A; and the same ratio unthrottled (what quantizing costs when links are fast). On a
    shared machine wall time is noisy, so each is also given as the rank's CPU time per step plus the link's wait
@@ -35,7 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 from common import LossStepTimer, interleaved, median, timed_trainer
 
-from lightscale.comm_counter import SlowLink
+from lightscale.measure.comm_counter import SlowLink
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
 from lightscale.recipes.gpt.data import ByteTokenizer, tokenize_to_memmap
 from lightscale.strategies import FSDP2Strategy

@@ -263,7 +263,7 @@ def offload_ratio(seconds: float) -> dict[str, Any]:
     """Largest zero3_offload GPT / largest zero3 GPT (parameters): start at the estimate's prediction, then double
     while it trains (or halve while it does not), each probe in its own child process, within ``seconds``."""
     import torch
-    from gpu_check import isolated
+    from gpu_isolated import isolated
 
     from lightscale.recipes.gpt.model import GPT, GPTConfig
 

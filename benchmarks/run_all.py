@@ -23,6 +23,7 @@ BENCHMARKS = [
     "s3_save.py",
     "bench_diloco.py",
     "bench_slow_link.py",
+    "bench_ft_step.py",
     "bench_consolidate.py",
 ]
 

@@ -2,7 +2,7 @@
 
 The small GPT under fsdp2 (``lightscale.Trainer``), 2 forked gloo ranks, fp32 + AdamW (model and Adam moments are
 saved). Every ``--gap`` steps ``trainer.save_checkpoint`` runs, in ABBA order, to one of: a local directory
-(``local``, a new name each time), ``s3://`` on a moto server on loopback (lightscale/storage/local_s3.py) under a new
+(``local``, a new name each time), ``s3://`` on a moto server on loopback (lightscale/testing/local_s3.py) under a new
 name each time (``s3 new``: ModelCheckpoint's ``step=N.ckpt``; written in place, completed by the marker), and
 ``s3://`` over the same ``last.ckpt`` (``s3 over``: staged under ``last.ckpt.tmp/``, then copied server-side behind
 the marker). Save time: the wall time of the ``save_checkpoint`` call on rank 0 (every rank's shards written, the
@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import interleaved, median, timed_trainer
 
 from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
-from lightscale.storage.local_s3 import local_s3_server, s3_environment
 from lightscale.strategies import ZeroStrategy
 from lightscale.testing import run_distributed
+from lightscale.testing.local_s3 import local_s3_server, s3_environment
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)  # the benchmarks' small GPT
 WARMUP = 2

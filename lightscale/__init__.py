@@ -5,17 +5,17 @@ Example:
     >>> trainer = lightscale.Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100)
 """
 
-from lightscale import moved
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
+from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.strategies.lightning_patches import patch_lightning
-from lightscale.strategies.registry import register_strategies, strategy_table
+from lightscale.strategies.registry import patch_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer
 
 __version__ = "0.1.0"
 __all__ = [
     "DataShard",
+    "FaultTolerance",
     "Float8Precision",
     "Trainer",
     "__version__",
@@ -26,7 +26,6 @@ __all__ = [
     "streams",
 ]
 
-moved.install()  # old module paths keep importing for a release (lightscale/moved.py)
 register_strategies()  # in Lightning's public StrategyRegistry
-# Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/lightning_patches.py).
+# Lightning reads lightscale checkpoint directories and names the closest strategy (strategies/registry.py).
 patch_lightning()

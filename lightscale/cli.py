@@ -4,7 +4,7 @@ estimate, plan, doctor, convert, consolidate.
 CONFIG is a YAML path or a packaged recipe config such as ``gpt/tiny_ddp.yaml``. Strategies are written in
 YAML by name (``strategy: bucketed_ddp``) or with arguments (``class_path``/``init_args``).
 
-``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.resume``).
+``--resume auto`` continues from the newest complete checkpoint of the run (see ``lightscale.checkpoint.resume``).
 ``--trainer.strategy.init_args.NAME VALUE`` overrides one argument of the strategy in effect, also when it was given
 by name (``strategy: fsdp2_zeropp``): the name becomes its class and registered arguments first.
 
@@ -37,11 +37,12 @@ from lightscale.checkpoint.convert import (
 )
 from lightscale.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
 from lightscale.commands.consolidate import consolidate_command
+from lightscale.commands.doctor import main as doctor_main
 from lightscale.commands.estimate import estimate_command, plan_command
 from lightscale.commands.schedule_plot import draw_schedule, idle_fractions, schedule_slots
-from lightscale.doctor import main as doctor_main
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.pipeline import SCHEDULES, default_stages_per_rank, validate_schedule
+from lightscale.patches.process import set_arguments
 from lightscale.storage.urls import checkpoint_location
 from lightscale.strategies.registry import strategy_table
 from lightscale.trainer import Trainer
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     resolved = resolve_args(args)
     if argv is None:  # from the shell: resolve in place, so Lightning re-launches ranks with the same command
-        sys.argv[1:] = resolved
+        set_arguments(resolved)
     try:
         build_cli(None if argv is None else resolved)
     except ConfigurationError as error:

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from lightscale.callbacks.model_summary import with_global_summary
+from lightscale.checkpoint.resume import check_resume, checkpoint_dir, resolve_last, resolve_resume
 from lightscale.data.data_shard import forget_data_shard
 from lightscale.errors import ConfigurationError
 from lightscale.plugins.precision import (
@@ -25,11 +26,9 @@ from lightscale.plugins.precision import (
     maybe_cpu_fp16_plugin,
     maybe_float8_plugin,
 )
-from lightscale.resume import check_resume, checkpoint_dir, resolve_last, resolve_resume
 from lightscale.storage.urls import RemotePath
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.lightning_patches import patch_lightning
-from lightscale.strategies.registry import check_strategy, register_strategies
+from lightscale.strategies.registry import check_strategy, patch_lightning, register_strategies
 
 
 class Trainer(LightningTrainer):
@@ -41,7 +40,7 @@ class Trainer(LightningTrainer):
     ``resume="auto"`` makes every ``fit`` continue from the newest complete checkpoint in the ModelCheckpoint's
     ``dirpath`` (none there: start fresh); an explicit ``fit(ckpt_path=...)`` wins; ``fit``, ``validate``, ``test``
     and ``predict`` with ``ckpt_path="last"`` also find the last checkpoint when ModelCheckpoint writes to an fsspec
-    URL. See :mod:`lightscale.resume`.
+    URL. See :mod:`lightscale.checkpoint.resume`.
 
     Example:
         >>> Trainer(strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=100).fit(model, data)
@@ -62,7 +61,7 @@ class Trainer(LightningTrainer):
         # signature: read from **kwargs with a default, jsonargparse took them as untyped, so
         # ``--trainer.strategy.init_args.X V`` reached Lightning as ``NestedArg(...)``.
         kwargs |= {"accelerator": accelerator, "strategy": strategy, "devices": devices, "precision": precision}
-        patch_lightning()  # before Lightning parses its arguments (lightscale/strategies/lightning_patches.py)
+        patch_lightning()  # before Lightning parses its arguments (lightscale/strategies/registry.py)
         check_resume(resume)
         ignore_lightning_pytree_deprecation()
         register_strategies()

@@ -34,11 +34,11 @@ def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
-    """A local S3 server (moto; lightscale/storage/local_s3.py) with bucket ``helpers.S3_BUCKET``, and the variables
+    """A local S3 server (moto; lightscale/testing/local_s3.py) with bucket ``helpers.S3_BUCKET``, and the variables
     that send this process's and the ranks' S3 clients to it; yields its endpoint."""
     from helpers import S3_BUCKET
 
-    from lightscale.storage.local_s3 import local_s3_server, s3_environment
+    from lightscale.testing.local_s3 import local_s3_server, s3_environment
 
     with local_s3_server(bucket=S3_BUCKET) as endpoint, pytest.MonkeyPatch.context() as patch:
         for name, value in s3_environment(endpoint).items():

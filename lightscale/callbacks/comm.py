@@ -1,6 +1,6 @@
 """``CommMonitor``: elements and bytes per collective kind per optimizer step per rank, beside the theory.
 
-Counting is lightscale/comm_counter.py's ``CollectiveCounter`` (the exact-communication tests use it too): every
+Counting is lightscale/measure/comm_counter.py's ``CollectiveCounter`` (the exact-communication tests use it too): every
 collective's whole buffer (all-reduced tensor, gathered output, scattered input, tensor sent). Logged as
 ``comm/<kind>_bytes`` and ``comm/<kind>_calls``, plus ``comm/traffic_per_rank_bytes``: what a ring moves per rank,
 2(N-1)/N of an all-reduce's buffer and (N-1)/N of an all-gather's or reduce-scatter's. ``comm/theory/*`` is the
@@ -25,11 +25,11 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightscale.comm_counter import CollectiveCounter, Traffic
 from lightscale.data.data_shard import data_shard
 from lightscale.estimate.memory_layout import layout_of
 from lightscale.estimate.model_states import bytes_per_parameter
 from lightscale.estimate.parameters import rank_parameter_sizes
+from lightscale.measure.comm_counter import CollectiveCounter, Traffic
 from lightscale.strategies.shards import shards_of
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}

@@ -4,7 +4,7 @@ What is measured, and when (every ``every_n_steps`` optimizer steps; nothing in 
     * gradients just before the optimizer step (their peak: ZeRO-2 partitions, FSDP shards, whole under DDP);
     * parameters and optimizer state after it (Adam's moments exist once it has run), each local shard only
       (lightscale/callbacks/measured_state.py: DTensor shards, DeepSpeed partitions, offloaded copies on the host);
-    * activations: the peak bytes autograd saved during the step (lightscale/saved_tensors.py), pipelines and
+    * activations: the peak bytes autograd saved during the step (lightscale/measure/saved_tensors.py), pipelines and
       gradient accumulation included; activation checkpointing's kept inputs too;
     * on CUDA, ``torch.cuda.max_memory_allocated`` of the step (``memory/peak``) and what it holds beyond the
       categories above (``memory/temporaries``: gathered parameters, buffers, workspaces); on CPU the tracked sum.
@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.memory_report import draw_timeline, estimate_for, write_oom_report
 from lightscale.estimate.core import MemoryEstimate
-from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
+from lightscale.measure.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 
 log = logging.getLogger(__name__)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightscale.estimate.core import CATEGORIES, MemoryEstimate, estimate_memory
 from lightscale.estimate.report import format_estimate, human
+from lightscale.patches.process import set_user_attribute
 from lightscale.strategies.registry import memory_alternatives
 from lightscale.strategies.shards import shards_of
 
@@ -46,11 +47,11 @@ def _whole_network(strategy: Any, module: LightningModule) -> Iterator[None]:
     if network is None or not isinstance(getattr(module, "model", None), nn.Module):
         yield
         return
-    stages, module.model = module.model, network
+    stages = set_user_attribute(module, "model", network)
     try:
         yield
     finally:
-        module.model = stages
+        set_user_attribute(module, "model", stages)
 
 
 def _batch_size(batch: Any) -> int:

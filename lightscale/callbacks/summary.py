@@ -15,6 +15,7 @@ from lightscale.callbacks.measured_state import ModelStateBytes, model_state_byt
 from lightscale.callbacks.throughput import Throughput
 from lightscale.data.data_shard import data_shard
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
+from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
 
 
 class RunSummary(Callback):
@@ -98,12 +99,19 @@ def _format(
                 f"    rank {rank}: {sizes.parameters:,} + {sizes.gradients:,} + {sizes.optimizer:,} = {sizes.total:,}"
             )
     lines += _engine_note(trainer)
+    lines += _fault_tolerance_note(trainer)
     for meter in (c for c in trainer.callbacks if isinstance(c, Throughput) and c.history):
         lines.append(
             f"  compute: {meter.mean('tflops_per_s'):.4g} TFLOP/s (all ranks), MFU {meter.mean('mfu'):.1%} "
             "(Throughput callback, first step excluded)"
         )
     return "\n".join(lines)
+
+
+def _fault_tolerance_note(trainer: Trainer) -> list[str]:
+    """Per-step fault tolerance: the steps this replica committed with fewer replicas, and those dropped."""
+    ft = getattr(trainer.strategy, "ft", None)  # BucketedDDPStrategy(fault_tolerant=...)'s replica
+    return [f"  fault tolerance: {ft.summary()}"] if isinstance(ft, FaultTolerantReplica) else []
 
 
 def _engine_note(trainer: Trainer) -> list[str]:

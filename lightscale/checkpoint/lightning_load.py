@@ -1,6 +1,6 @@
 """The one hook into Lightning's checkpoint loading: a lightscale checkpoint *directory* loads where Lightning
 expects a file, in one plain process (``import lightscale`` installs it, through ``lightscale.patch_lightning()``:
-lightscale/strategies/lightning_patches.py; no process group needed).
+lightscale/strategies/registry.py; no process group needed).
 
 Lightning reads every checkpoint file through one function, ``lightning.fabric.utilities.cloud_io._load``, bound by
 name in two modules: ``lightning.pytorch.core.saving`` (``Model.load_from_checkpoint``) and

@@ -42,7 +42,7 @@ from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.averaged import AVERAGED
 from lightscale.checkpoint.portable_file import read_file_layout
 from lightscale.checkpoint.rng import gather_rng_states
-from lightscale.data.loader_state import gather_loader_states
+from lightscale.data.loader_position import gather_loader_states
 from lightscale.errors import ConfigurationError
 from lightscale.runtime.barrier import barrier
 from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, publish

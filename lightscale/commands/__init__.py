@@ -1,1 +1,2 @@
-"""Subcommands of ``lightscale`` that read a training config (``estimate``, ``plan``); lightscale/cli.py runs them."""
+"""Subcommands of ``lightscale`` (``estimate``, ``plan``, ``consolidate``, ``doctor``, schedule pictures), run by
+lightscale/cli.py."""

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
+from lightscale.patches.process import set_environment, unset_environment
 
 # Set by a lightscale strategy in each rank; DataLoader workers inherit them. The publisher ("rank/world_size" of
 # the process group it was published for) tells a shard inherited from another run's process apart.
@@ -71,15 +72,14 @@ def publish_data_shard(shard: DataShard, *, rank: int, world_size: int) -> None:
     process it starts from now on."""
     if not 0 <= shard.index < shard.count:
         raise ConfigurationError(f"Data shard index {shard.index} is not in range({shard.count}).")
-    os.environ.update(
+    set_environment(
         {INDEX_VARIABLE: str(shard.index), COUNT_VARIABLE: str(shard.count), PUBLISHER_VARIABLE: f"{rank}/{world_size}"}
     )
 
 
 def forget_data_shard() -> None:
     """Drop a published shard (a run without a lightscale strategy: the process group's rank is the answer again)."""
-    for name in VARIABLES:
-        os.environ.pop(name, None)
+    unset_environment(VARIABLES)
 
 
 def _sampler_shard(strategy: Any) -> DataShard:

@@ -7,7 +7,7 @@ read different samples (lightscale stops such a run at its first step). These tw
 DataModule's ``setup`` or ``train_dataloader``), as litdata and ``split_dataset_by_node`` read the layout once.
 
 Resuming mid-epoch: wrap the stream in litdata's ``StreamingDataLoader`` or torchdata's ``StatefulDataLoader``;
-Lightning saves their position and lightscale gives every data shard its own back (data/loader_state.py).
+Lightning saves their position and lightscale gives every data shard its own back (data/loader_position.py).
 
 Example:
     >>> def train_dataloader(self):

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from lightscale.estimate.memory_layout import Layout
+from lightscale.measure.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 from lightscale.parallel.contract import TransformerShape
-from lightscale.saved_tensors import SavedTensors, checkpointed_modules, count_checkpoint_inputs
 
 # Bytes of one activation element under a Trainer precision (autocast computes matmuls in half precision).
 ACTIVATION_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
@@ -141,7 +141,7 @@ def pipeline_in_flight(layout: Layout) -> int:
 def measure_activation_bytes(step: Callable[[], Any], *, module: nn.Module | None = None) -> int:
     """Peak bytes autograd saves while ``step()`` runs a forward (on meta tensors: no memory, any model size).
 
-    Checkpointed units of ``module`` count their kept inputs (lightscale/saved_tensors.py).
+    Checkpointed units of ``module`` count their kept inputs (lightscale/measure/saved_tensors.py).
     """
     with SavedTensors() as saved:
         handles = count_checkpoint_inputs(checkpointed_modules(module), saved) if module is not None else []

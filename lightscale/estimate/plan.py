@@ -1,8 +1,8 @@
 """Choosing a strategy by memory: the least-communication candidate whose estimate fits the device.
 
 Each strategy class declares which of its names the planner may choose (``plannable``: a tuple of
-:class:`Plannable`); ``lightscale.strategies.registry.plan_candidates()`` collects them in registration order, which
-is the order of communication per optimizer step and rank (Ψ = gradient bytes of the model): bucketed_ddp, zero1
+:class:`Plannable`); ``lightscale.strategies.registry.plan_candidates()`` collects them in ``registry.ORDER``,
+which is the order of communication per optimizer step and rank (Ψ = gradient bytes of the model): bucketed_ddp, zero1
 and zero2 (2Ψ: all-reduce, or reduce-scatter + all-gather), fsdp2 (3Ψ: parameters gathered again in backward),
 fsdp2 with full activation checkpointing (3Ψ and a second forward), fsdp2_offload (3Ψ plus host transfers), then
 context parallelism (cp2: the K/V of each attention layer passed around a ring; sequences, so activations, split in
@@ -43,6 +43,24 @@ class Plannable:
     tp: int = 1  # > 1: only for models with a TP plan, on a world size this divides
     cp: int = 1  # > 1: only for declared transformers (transformer_shape: SDPA attention), on a world size it divides
     needs: str | None = None  # the module of an optional engine (an extra): without it the row is shown, never chosen
+
+    @classmethod
+    def of(
+        cls,
+        aliases: dict[str, tuple[str, dict[str, object]]],
+        name: str,
+        communication: str,
+        note: str,
+        **kwargs: object,
+    ) -> Plannable:
+        """The candidate ``name`` with the ``tp``/``cp`` degrees its alias registers, so they are typed once.
+
+        Example:
+            >>> Plannable.of({"tp2": ("...", {"tp": 2})}, "tp2", "3Ψ/2", "+ layers split").tp
+            2
+        """
+        degrees = {axis: aliases[name][1][axis] for axis in ("tp", "cp") if axis in aliases[name][1]}
+        return cls(name, communication, note, **degrees, **kwargs)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightscale.errors import ConfigurationError
+from lightscale.measure.saved_tensors import note_kept
 from lightscale.parallel.context_parallel.dispatch import active_attention
-from lightscale.saved_tensors import note_kept
 
 ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightscale.patches.private_reads import read
 from lightscale.patches.table import Patch
 
 PATCHES = [
@@ -86,6 +87,23 @@ PATCHES = [
         "evaluation after fit still needs)",
         attributes=("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", ("_grad_acc_hooks",)),
     ),
+    # private DeepSpeed names read or called (as lightscale/patches/private_reads.py lists the others'), kept here:
+    # DeepSpeed's names appear only in zero/ and this module (tests/unit/test_deepspeed_confined.py)
+    read("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
+    read("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
+    read("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
+    read(
+        "deepspeed.runtime.zero.stage_1_and_2",
+        "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
+        "ZeRO DCP",
+    ),
+    read("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", "ZeRO DCP: bit16 copies"),
+    read(
+        "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_full_hp_param", "ZeRO DCP: safe_get_full_*"
+    ),
+    read("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
+    read("deepspeed.utils", "safe_set_local_fp32_param", "ZeRO-3 DCP load: this rank's padded piece (public)"),
+    read("deepspeed.utils", "safe_set_local_optimizer_state", "ZeRO-3 DCP load: this rank's padded piece (public)"),
 ]
 
 

@@ -14,7 +14,7 @@ class Patch:
     pins both against the installed release."""
 
     target: str
-    scope: Literal["global", "instance", "environment"]
+    scope: Literal["global", "instance", "environment", "read"]  # read: a private name read or called, not rebound
     why: str
     upstream: str
     signature: tuple[str, tuple[str, ...]] | None = None

@@ -55,6 +55,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightscale.patches.process import wrap_excepthook
+
 FAILURE_KEY = "lightscale/failure"
 SEEN_KEY = "lightscale/failure_seen"  # how many watchers have read FAILURE_KEY
 RAISED_KEY = "lightscale/raised"  # + "/<n>": how many ranks recorded their n-th failure
@@ -248,7 +250,7 @@ def watch_for_failures(rank: int, *, interval_s: float = 0.5) -> None:
     _printed.clear()
     _pending.clear()
     _raised[0] = 0
-    sys.excepthook = _excepthook(rank, sys.excepthook)  # after init_process_group: wraps torch's [rankK] hook
+    wrap_excepthook(lambda hook: _excepthook(rank, hook))  # after init_process_group: wraps torch's [rankK] hook
     thread = threading.Thread(target=_watch, args=(store, rank, interval_s), name="lightscale-failure-watch")
     thread.daemon = True
     thread.start()

@@ -21,6 +21,8 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from lightscale.patches.process import set_environment
+
 TRACE_BUFFER_SIZE = "2000"  # collectives kept per rank: the value torch's flight recorder tutorial uses
 DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
 
@@ -43,7 +45,7 @@ def maybe_enable_flight_recorder(
     """Set the recorder's defaults in ``environ`` (and create the dump directory); return the trace file prefix
     (the rank is appended) or None when no recorder runs (not nccl, or the user switched the buffer off)."""
     chosen = flight_recorder_defaults(backend, dump_dir, environ)
-    environ.update(chosen)
+    set_environment(chosen, environ)
     if backend != "nccl" or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") == "0":
         return None
     prefix = environ.get(DUMP_FILE, "/tmp/nccl_trace_rank_")

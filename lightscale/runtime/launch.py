@@ -29,6 +29,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightscale.patches.process import set_environment, unset_environment
+
 
 def restart_safe_store(timeout: timedelta) -> dist.Store | None:
     """The agent's store, prefixed by this attempt, when torchrun's agent hosts it; else None (the default path)."""
@@ -65,11 +67,11 @@ class Launcher(_SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        os.environ[LAUNCHER_PID] = str(os.getpid())
+        set_environment({LAUNCHER_PID: str(os.getpid())})
         try:
             super()._call_children_scripts()
         finally:
-            del os.environ[LAUNCHER_PID]  # this process and later subprocesses are not its children
+            unset_environment([LAUNCHER_PID])  # this process and later subprocesses are not its children
 
 
 def _launcher_pid() -> int | None:

@@ -25,13 +25,12 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.connectors import checkpoint_connector as _checkpoint_connector
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
+from lightscale.patches.process import set_rank_zero_rank
 from lightscale.runtime.barrier import barrier
 from lightscale.runtime.failure import is_timeout, record_failure, watch_for_failures
 from lightscale.runtime.flight_recorder import maybe_enable_flight_recorder
@@ -167,7 +166,7 @@ class ProcessStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_rank_zero_rank(self.global_rank)
 
     # ---- collectives ---------------------------------------------------------------------------------------
     @override

@@ -56,8 +56,7 @@ from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
 from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view
-from lightscale.strategies.lightning_patches import patch_lightning
-from lightscale.strategies.names import REGISTERED
+from lightscale.strategies.registry import REGISTERED, patch_lightning
 from lightscale.strategies.weight_averaging import (
     adopt_weight_averaging,
     local_shards,
@@ -137,7 +136,7 @@ class LightscaleStrategy(CheckpointingStrategy):
         checkpoint_format: str = "dcp",
         check_batches_every: int | None = DEFAULT_EVERY,
     ) -> None:
-        patch_lightning()  # lightscale's Lightning side is in use: its global patches, once (lightning_patches.py)
+        patch_lightning()  # lightscale's Lightning side is in use: its global patches, once (registry.py)
         check_checkpoint_format(type(self), checkpoint_format)
         check_every(check_batches_every)
         super().__init__(

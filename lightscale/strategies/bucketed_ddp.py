@@ -18,15 +18,23 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from typing_extensions import override
 
+from lightscale.data.data_shard import DataShard
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
+from lightscale.parallel.fault_tolerance import FaultTolerance
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions
 from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.fault_tolerant_step import (
+    FaultTolerantReplica,
+    fault_tolerance_of,
+    replica_data_shard,
+)
 
 
 class BucketedDDPStrategy(LightscaleStrategy):
@@ -40,6 +48,9 @@ class BucketedDDPStrategy(LightscaleStrategy):
         find_unused_parameters: reduce zeros for parameters that get no gradient instead of raising.
         powersgd_rank: rank r of PowerSGD's factors: a matrix n x m sends (n + m) r numbers instead of n m.
         powersgd_warmup_steps: optimizer steps reduced uncompressed before PowerSGD starts.
+        fault_tolerant: a :class:`~lightscale.FaultTolerance` (or ``True``: its defaults): this launch is one
+            replica; replicas meet at a torchft lighthouse every step, may die and rejoin while the others train on
+            (docs/faults.md, "Per-step fault tolerance").
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -86,9 +97,11 @@ class BucketedDDPStrategy(LightscaleStrategy):
         find_unused_parameters: bool = False,
         powersgd_rank: int = 4,
         powersgd_warmup_steps: int = 0,
+        fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.fault_tolerance = fault_tolerance_of(fault_tolerant, compression=compression)
         validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
         validate_powersgd(powersgd_rank, powersgd_warmup_steps)
         self.powersgd_rank = powersgd_rank
@@ -98,6 +111,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         self.compression = compression
         self.find_unused_parameters = find_unused_parameters
         self.reducer: BucketedGradReducer | None = None
+        self.ft = FaultTolerantReplica(self.fault_tolerance) if self.fault_tolerance is not None else None
 
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
@@ -152,6 +166,34 @@ class BucketedDDPStrategy(LightscaleStrategy):
             self.reducer.remove()
             self.reducer = None
 
+    # ---- fault_tolerant=: a torchft quorum per step (lightscale/strategies/fault_tolerant_step.py) -----------
+    @override
+    def data_shard_of(self, dims: ParallelDims) -> DataShard:
+        """With ``data_shards``, a fault-tolerant replica reads its own part of the dataset, split over its ranks."""
+        shard = super().data_shard_of(dims)
+        return shard if self.fault_tolerance is None else replica_data_shard(self.fault_tolerance, shard)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        loader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if self.ft is not None and trainer.training:
+            self.ft.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
+        return loader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.ft is not None:
+            self.ft.begin(self.lightning_module.trainer, batch_idx)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.ft is None or self.reducer is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        apply = lambda ran: super(BucketedDDPStrategy, self).optimizer_step(optimizer, ran, model, **kwargs)  # noqa: E731
+        return self.ft.optimizer_step(apply, closure, [bucket.flat for bucket in self.reducer.buckets])
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.reducer is not None:
@@ -171,11 +213,15 @@ class BucketedDDPStrategy(LightscaleStrategy):
             states: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(states, powersgd.state_dict())
             state["lightscale"]["powersgd"] = states
+        if self.ft is not None:
+            state["lightscale"]["fault_tolerance"] = self.ft.checkpoint_state()
         return state
 
     @override
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         super().restore_extras(meta, fitting=fitting)
+        if self.ft is not None and fitting:
+            self.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
         powersgd = self.reducer.powersgd if self.reducer is not None else None
         states = meta.get("lightscale", {}).get("powersgd")
         if fitting and powersgd is not None and states:
@@ -189,6 +235,8 @@ class BucketedDDPStrategy(LightscaleStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.ft is not None:
+            self.ft.finish()
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None

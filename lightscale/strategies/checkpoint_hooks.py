@@ -35,7 +35,7 @@ from lightscale.checkpoint.portable import (
 )
 from lightscale.checkpoint.portable_file import forget_file_layout
 from lightscale.checkpoint.rng import restore_rng_states
-from lightscale.data.loader_state import take_own_loader_state
+from lightscale.data.loader_position import take_own_loader_state
 from lightscale.errors import ConfigurationError
 from lightscale.runtime.processes import ProcessStrategy
 from lightscale.storage.safe_io import SafeCheckpointIO

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightscale.errors import ConfigurationError
 from lightscale.optim.rule import ParameterView
-from lightscale.strategies.names import REGISTERED
+from lightscale.strategies.registry import REGISTERED
 
 
 def init_arguments(cls: type, init_params: dict[str, Any]) -> dict[str, Any]:

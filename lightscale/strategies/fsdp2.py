@@ -37,6 +37,7 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
+from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.parallel.fsdp import (
     no_gradient_sync,
 )
@@ -55,6 +56,7 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
+from lightscale.strategies.fault_tolerant_step import refuse_fault_tolerance
 
 
 class FSDP2Strategy(LightscaleStrategy):
@@ -80,6 +82,8 @@ class FSDP2Strategy(LightscaleStrategy):
             (ZeRO++ qgZ).
         secondary_shard: hpZ: after forward keep shards over groups of this many neighbouring ranks (``"node"``: the
             processes per node), so backward's all-gather stays inside a node (docs/strategies/fsdp2.md, ZeRO++).
+        fault_tolerant: not available for the FSDP2 family yet (hsdp's replicate dimension through torchft is
+            planned): anything but ``False`` is refused, naming ``bucketed_ddp``'s, which runs.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -162,8 +166,10 @@ class FSDP2Strategy(LightscaleStrategy):
         quantized_weights: WeightWire = "none",
         quantized_gradients: GradientWire = "none",
         secondary_shard: int | Literal["node"] | None = None,
+        fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
+        refuse_fault_tolerance(fault_tolerant, "the FSDP2 family (fsdp2, hsdp, ...)")
         super().__init__(**kwargs)
         check_compression(compression, self.precision_rules)
         self.zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
 from lightscale.callbacks import CommMonitor
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel import BucketedGradReducer
 from lightscale.recipes.gpt import GPT
 from lightscale.testing import RankFailed, run_distributed

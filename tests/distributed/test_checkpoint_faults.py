@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 from helpers import TINY, train_tiny_gpt
 
-from lightscale.checkpoint import atomic_dir, deepspeed_dir, layout
+from lightscale.checkpoint import portable as layout
 from lightscale.cli import main
 from lightscale.recipes.gpt import GPT, GPTConfig
+from lightscale.storage import atomic_dir
 from lightscale.strategies import zero
 from lightscale.testing import RankFailed, run_distributed
+from lightscale.zero import checkpoint_dir as deepspeed_dir
 
 
 def _die_on_rank_1() -> None:

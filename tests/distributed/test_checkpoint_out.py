@@ -40,7 +40,7 @@ from lightscale.cli import main as cli_main
 from lightscale.commands.consolidate import consolidate
 from lightscale.errors import ConfigurationError
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
-from lightscale.strategies.lightning_patches import patch_lightning
+from lightscale.strategies.registry import patch_lightning
 from lightscale.testing import run_distributed
 
 patch_lightning()  # this process only loads what the ranks trained, as a user's would (docs/plugins/checkpoint.md)

@@ -1,4 +1,4 @@
-"""Checkpoints at fsspec URLs, against a real S3 server started here on loopback (moto; lightscale/storage/local_s3.py).
+"""Checkpoints at fsspec URLs, against a real S3 server started here on loopback (moto; lightscale/testing/local_s3.py).
 
 Per strategy (2 gloo ranks): train ``SAVED_AT`` steps saving to ``s3://``, resume with ``fit(ckpt_path="s3://...")``
 to ``STEPS`` (ModelCheckpoint's ``save_top_k=1`` then removes the first checkpoint from the bucket), and compare every
@@ -32,13 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint.lightning_format import lightning_checkpoint
+from lightscale.checkpoint.resume import newest_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPTConfig
-from lightscale.resume import newest_checkpoint
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.storage.urls import COMPLETE, checkpoint_location
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
-from lightscale.strategies.lightning_patches import patch_lightning
+from lightscale.strategies.registry import patch_lightning
 from lightscale.testing import RankFailed, run_distributed
 
 patch_lightning()  # this process reads what the ranks saved through Lightning's loaders, as a user's would

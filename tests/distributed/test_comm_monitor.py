@@ -51,7 +51,7 @@ def test_per_step_collectives(strategy: Any, expected: dict[str, tuple[int, int]
 
 
 def test_ring_traffic_equals_ddp_theory() -> None:
-    from lightscale.comm_counter import Traffic
+    from lightscale.measure.comm_counter import Traffic
 
     grad_bytes = 4 * PSI
     for ranks in (2, 4, 8):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel.context_parallel import (
     MODES,
     ContextParallelAttention,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightscale.doctor import parse_size
+from lightscale.commands.doctor import parse_size
 from lightscale.errors import ConfigurationError
 from lightscale.testing import free_port
 

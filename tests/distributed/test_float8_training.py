@@ -14,7 +14,7 @@ from helpers import quiet_trainer, train_tiny_gpt
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy

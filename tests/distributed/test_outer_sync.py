@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel.diloco import OuterSync, default_outer_step
 from lightscale.testing import run_distributed
 

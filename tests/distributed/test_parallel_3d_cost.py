@@ -12,7 +12,7 @@ from helpers import TINY, train_tiny_gpt
 
 from lightscale.callbacks import CommMonitor
 from lightscale.callbacks.measured_state import model_state_bytes
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.recipes.gpt import GPT
 from lightscale.recipes.gpt.parallelize import parallelize_gpt
 from lightscale.strategies import Parallel3DStrategy, ParallelDims

@@ -13,7 +13,7 @@ from helpers import train_tiny_gpt
 from torch import nn
 
 import lightscale
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel import BucketedGradReducer
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.testing import run_distributed

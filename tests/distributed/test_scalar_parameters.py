@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.cli import main as cli_main
 from lightscale.strategies import ZeroStrategy
-from lightscale.strategies.lightning_patches import patch_lightning
+from lightscale.strategies.registry import patch_lightning
 from lightscale.testing import run_distributed
 
 patch_lightning()  # this process loads what the ranks trained, as a user's would (docs/plugins/checkpoint.md)

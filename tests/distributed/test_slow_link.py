@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightscale.comm_counter import SlowLink
+from lightscale.measure.comm_counter import SlowLink
 from lightscale.testing import run_distributed
 
 

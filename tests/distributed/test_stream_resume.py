@@ -4,7 +4,7 @@ mid-epoch and resumed from its checkpoint reads every sample exactly once.
 The data are written locally (a litdata-optimized directory, parquet files), sample ``i`` a token window whose first
 token is ``i``; a callback records which samples each rank trains on. The loaders are litdata's StreamingDataLoader
 and torchdata's StatefulDataLoader (over HF's streaming IterableDataset): Lightning saves their state, lightscale saves
-every data shard's (data/loader_state.py) and gives each its own back.
+every data shard's (data/loader_position.py) and gives each its own back.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lightscale.comm_counter import CollectiveCounter
+from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel import zeropp
 from lightscale.parallel.zeropp import QuantizedAllGather, QuantizedReduceScatter, ZeroPPOptions, apply_zeropp
 from lightscale.testing import run_distributed

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightscale.checkpoint import atomic_dir
+from lightscale.storage import atomic_dir
 from lightscale.storage.safe_io import SafeCheckpointIO
 
 

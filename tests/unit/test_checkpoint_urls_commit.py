@@ -12,8 +12,8 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir
+from lightscale.checkpoint.resume import newest_checkpoint, resolve_last
 from lightscale.errors import ConfigurationError
-from lightscale.resume import newest_checkpoint, resolve_last
 from lightscale.storage.atomic_dir import complete_checkpoint, publish, staging_path, start_staging
 from lightscale.storage.urls import COMPLETE, RemotePath, checkpoint_location
 

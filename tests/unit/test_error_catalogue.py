@@ -542,6 +542,20 @@ def _fault_tolerance(call=None, **kwargs):
         return getattr(ft, call)() if call else ft
 
 
+def _ft_bucketed_ddp(compression="none", **kwargs):
+    from lightscale import FaultTolerance
+    from lightscale.strategies import BucketedDDPStrategy
+
+    with mock.patch.dict(os.environ, {"LIGHTSCALE_REPLICA_ID": "", "TORCHFT_LIGHTHOUSE": ""}):
+        return BucketedDDPStrategy(fault_tolerant=FaultTolerance(**kwargs), compression=compression)
+
+
+def _fsdp2_fault_tolerant():
+    from lightscale.strategies import FSDP2Strategy
+
+    return FSDP2Strategy(fault_tolerant=True)
+
+
 def _without_torchft():
     import importlib.util
 
@@ -935,6 +949,18 @@ CATALOGUE: list[tuple] = [
      CE, r"min_replicas=0 is not valid; use an integer >= 1"),
     ("diloco-ft-extra", "fault-tolerant DiLoCo without torchft installed (the ft extra)", _without_torchft, CE,
      r"runs on torchft, not installed: pip install 'lightscale\[ft\]'"),
+    ("ft-step-no-lighthouse", "per-step fault tolerance (bucketed_ddp) without a lighthouse address",
+     lambda: _ft_bucketed_ddp(replica_id="replica_0"), CE,
+     r"lighthouse=None .* is not an address: pass FaultTolerance\(lighthouse='http://127.0.0.1:29510'\)"),
+    ("ft-step-min-replicas", "per-step fault tolerance with min_replicas=0",
+     lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", min_replicas=0), CE,
+     r"min_replicas=0 is not valid; use an integer >= 1"),
+    ("ft-step-powersgd", "per-step fault tolerance with PowerSGD (per-replica residuals)",
+     lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", compression="powersgd"), CE,
+     r"compression='powersgd' cannot run with fault_tolerant.*use compression='none' or 'bf16'"),
+    ("ft-step-fsdp2", "fault_tolerant= on the FSDP2 family (not available yet)",
+     lambda: _fsdp2_fault_tolerant(), CE,
+     r"fault_tolerant=True is not available for the FSDP2 family.*runs on bucketed_ddp"),
     ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
      lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
      r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import pytest
 
@@ -88,6 +89,9 @@ def test_an_ended_rank_reports_before_it_lets_the_failing_rank_exit(monkeypatch:
         raise SystemExit(code)
 
     monkeypatch.setattr(sys, "stderr", recorder)
+    # This process's own state, fresh: an earlier test's fit that raised may have marked it as failed.
+    monkeypatch.setattr(failure, "_failed_here", threading.Event())
+    monkeypatch.setattr(failure, "_exiting", threading.Event())
     monkeypatch.setattr(failure.faulthandler, "dump_traceback", lambda **kwargs: events.append("stack"))
     monkeypatch.setattr(failure.os, "_exit", end)
     with pytest.raises(SystemExit) as ended:

@@ -18,7 +18,7 @@ from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.storage.safe_dcp import UnsafeCheckpointError
 from lightscale.storage.safe_io import save_atomically
 
-lightscale.patch_lightning()  # what a process that only loads calls (lightscale/strategies/lightning_patches.py)
+lightscale.patch_lightning()  # what a process that only loads calls (lightscale/strategies/registry.py)
 
 
 class Tiny(pl.LightningModule):

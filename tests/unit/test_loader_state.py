@@ -10,8 +10,12 @@ import pytest
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 
 from lightscale.data.data_shard import DataShard, forget_data_shard, publish_data_shard
-from lightscale.data.loader_position import TrainedPosition, maybe_track_trained_position
-from lightscale.data.loader_state import gather_loader_states, take_own_loader_state
+from lightscale.data.loader_position import (
+    TrainedPosition,
+    gather_loader_states,
+    maybe_track_trained_position,
+    take_own_loader_state,
+)
 
 
 class Counting:

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     from lightscale.estimate import estimate_memory
     from lightscale.recipes.gpt.model import GPTConfig
     from lightscale.recipes.gpt.module import GPTModule
-    from lightscale.strategies.names import REGISTERED
+    from lightscale.strategies.registry import REGISTERED
 
     built, patched = [], []
 

@@ -1,100 +1,25 @@
-"""The private APIs of torch, Lightning and DeepSpeed that lightscale relies on still exist where we use them.
+"""The private APIs of torch, Lightning and DeepSpeed that lightscale relies on still exist where we use them, and
+nothing outside lightscale/patches/ touches an upstream name or process-wide state unless the table there lists it.
 
 Private names move between releases without notice; pyproject.toml caps the versions tested, and this test fails
-naming the API (listed in docs/architecture.md, "Private APIs and versions") when an upgrade moves one.
+naming the API (one table: ``lightscale.patches.all_patches()``; docs/architecture.md, "Upstream patches") when an
+upgrade moves one. The guard at the end reads every module's syntax tree, so ``setattr``, ``environ.update`` and
+attribute stores are seen as well as plain assignments.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightscale.patches import Patch, all_patches
+from lightscale.patches import Patch, all_patches, private_reads
 from lightscale.runtime.processes import RESTORING
-
-PRIVATE_APIS = [
-    # (module, attribute path, who uses it)
-    ("torch._C", "_current_graph_task_id", "bucketed_ddp: one reduction per backward pass"),
-    ("torch.autograd", "Variable._execution_engine.queue_callback", "bucketed_ddp: finish after backward"),
-    ("torch.distributed.distributed_c10d", "_get_default_store", "failure watch: errors reach every rank"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "safe DCP loads: a type .metadata holds"),
-    ("torch.distributed.checkpoint.filesystem", "FileSystemReader._get_metadata_path", "safe DCP loads"),
-    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter", "checkpoints at fsspec URLs (s3://...)"),
-    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader", "checkpoints at fsspec URLs (s3://...)"),
-    ("torch.serialization", "_get_layout", "safe DCP loads: how .metadata names a layout"),
-    ("torch.distributed._composable", "checkpoint", "activation checkpointing without wrapper modules"),
-    ("torch.distributed.pipelining.schedules", "_Action", "pipeline schedule pictures and checks"),
-    ("torch.distributed.pipelining.schedules", "_ComputationType", "pipeline schedule pictures and checks"),
-    ("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops", "multi-stage schedule orders"),
-    ("torch.distributed.pipelining.schedules", "_PipelineSchedule", "pipeline schedule types"),
-    ("torch.distributed.pipelining.stage", "PipelineStage._prepare_forward_infra", "MoE load: no shape-inference"),
-    ("torch.distributed.device_mesh", "DeviceMesh._flatten", "expert and context parallelism: FSDP2 over dp x ep x cp"),
-    ("torch.distributed.device_mesh", "DeviceMesh._concatenate", "HSDP over (dp_replicate, dp_shard x cp)"),
-    ("lightning.pytorch.trainer.trainer", "Trainer._results", "cp: values logged in a step reduced over cp"),
-    ("lightning.fabric.utilities.types", "_Stateful", "stateful loaders: saved positions (loader_position.py)"),
-    ("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher", "a stream's saved position skips the read-ahead"),
-    ("litdata.utilities.env", "_DistributedEnv", "lightscale.streams.shard_litdata: litdata reads the data shard"),
-    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection.log", "cp: logged values"),
-    ("torch.distributed._functional_collectives", "all_to_all_single_autograd", "expert-parallel dispatch"),
-    ("torch", "_grouped_mm", "MoE experts by grouped GEMM"),
-    ("torchao.float8.float8_linear", "Float8Linear", "float8: converted layers"),
-    ("torchao.float8.float8_tensor_parallel", "Float8ColwiseParallel", "float8 under tensor parallelism"),
-    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu.default", "selective activation checkpointing"),
-    ("torch", "ops.aten._scaled_dot_product_efficient_attention.default", "selective activation checkpointing"),
-    ("torch", "ops.aten._scaled_dot_product_flash_attention.default", "selective activation checkpointing"),
-    ("torch.distributed._composable.contract", "_get_registry", "MemoryProfiler: checkpointed units' kept inputs"),
-    ("torch.cuda.memory", "_record_memory_history", "MemoryProfiler: allocator snapshots"),
-    ("torch.cuda.memory", "_dump_snapshot", "MemoryProfiler: allocator snapshots"),
-    ("torch._subclasses.fake_tensor", "FakeTensorMode", "estimate: a one-sample forward without memory"),
-    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "Throughput: CPU attention FLOPs"),
-    ("torch", "ops.aten._scaled_dot_product_flash_attention_backward", "cp ring/allgather blocks (CUDA)"),
-    ("torch", "ops.aten._scaled_dot_product_efficient_attention_backward", "cp ring/allgather blocks (CUDA)"),
-    ("torch", "ops.aten._scaled_dot_product_cudnn_attention", "cp ring/allgather blocks (CUDA)"),
-    ("torch", "ops.aten._scaled_dot_product_cudnn_attention_backward", "cp ring/allgather blocks (CUDA)"),
-    ("torch", "_fused_sdp_choice", "cp ring/allgather: the CUDA op SDPA itself would run"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "process group with a timeout"),
-    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "Strategy.reduce"),
-    ("lightning.fabric.utilities.data", "_replace_dunder_methods", "re-created DataLoader subclasses keep arguments"),
-    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "optimizer state placement"),
-    ("lightning.fabric.strategies.registry", "_StrategyRegistry", "registering strategy names"),
-    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "devices=N launches"),
-    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts", "launcher pid"),
-    ("lightning.pytorch.strategies.strategy", "_ForwardRedirection", "FSDP root hooks around training_step"),
-    ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "ZeRO: the user's optimizer"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.set_gradient_accumulation_boundary", "ZeRO accumulation"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather", "ZeRO++: the quantized all-gather's base"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", "ZeRO++: the quantized reduce-scatter's base"),
-    ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.load", "weights-only"),
-    ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", "lightscale export (ZeRO)"),
-    ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler._unscale_grads_", "MixedTensorGradScaler"),
-    ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", "precision plugin dtype test"),
-    ("lightning.pytorch.utilities.data", "_update_dataloader", "ExactlyOnceSampler replaces the padding sampler"),
-    ("lightning.pytorch.core.saving", "pl_load", "load_from_checkpoint reads lightscale directories (hooked)"),
-    ("lightning.fabric.plugins.io.torch_io", "pl_load", "Lightning's Trainer reads lightscale directories (hooked)"),
-    (
-        "lightning.pytorch.trainer.connectors.accelerator_connector",
-        "_AcceleratorConnector._check_config_and_set_final_flags",
-        "unknown names in plain lightning.Trainer",
-    ),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "ZeRO DCP"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", "ZeRO DCP: bit16 copies"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_full_hp_param", "ZeRO DCP: safe_get_full_*"),
-    ("lightning.pytorch.callbacks", "WeightAveraging._swap_models", "weight averaging of local shards"),
-    ("lightning.pytorch.callbacks", "WeightAveraging._copy_average_to_current", "weight averaging of local shards"),
-    ("deepspeed.utils", "safe_set_full_optimizer_state", "ZeRO DCP load (public, checked for 0.19.x)"),
-    ("deepspeed.utils", "safe_set_local_fp32_param", "ZeRO-3 DCP load: this rank's padded piece (public)"),
-    ("deepspeed.utils", "safe_set_local_optimizer_state", "ZeRO-3 DCP load: this rank's padded piece (public)"),
-    *(
-        ("lightning.pytorch.trainer.connectors.checkpoint_connector", f"_CheckpointConnector.{name}", "failure report")
-        for name in RESTORING  # a failure below one of them is reported as the restore, not as the stage to come
-    ),
-    ("torch.optim._muon", "_zeropower_via_newtonschulz", "Muon's Newton-Schulz in ShardedMuon and FlatMuon"),
-]
-
 
 OPTIONAL = {"deepspeed", "torchao", "litdata"}  # extras of pyproject.toml, not dependencies
 
@@ -106,14 +31,22 @@ def _resolve(module: str, path: str) -> object:
     return value
 
 
-@pytest.mark.parametrize(("module", "path", "used_for"), PRIVATE_APIS, ids=[f"{m}.{p}" for m, p, _ in PRIVATE_APIS])
-def test_private_api_exists(module: str, path: str, used_for: str) -> None:
+_READS = [p for p in all_patches() if p.scope == "read" and p.attributes is None]
+
+
+@pytest.mark.parametrize("patch", _READS, ids=[p.target for p in _READS])
+def test_private_name_exists(patch: Patch) -> None:
+    module, _, path = patch.target.partition(":")
     if module.split(".")[0] in OPTIONAL:  # `make test`'s venv has every extra; a `make compat` venv may lack one
         pytest.importorskip(module.split(".")[0])
     try:
         _resolve(module, path)
     except (ImportError, AttributeError) as error:
-        pytest.fail(f"{module}.{path} (used for: {used_for}) moved or vanished: {error}. See docs/architecture.md.")
+        pytest.fail(f"{module}.{path} (used for: {patch.why}) moved or vanished: {error}. See lightscale/patches/.")
+
+
+def test_the_restoring_methods_are_the_pinned_ones() -> None:
+    assert RESTORING == private_reads.RESTORING
 
 
 def test_fsdp2_custom_comm_hooks_keep_their_signatures() -> None:  # lightscale/parallel/zeropp.py implements them
@@ -233,8 +166,9 @@ def test_pipeline_schedules_take_scale_grads() -> None:
 
 # ---- every upstream patch (lightscale/patches/): wrapped signatures and private attributes, pinned ----------------
 def _resolve_target(target: str) -> object:
+    """``module:qualname``, or the module itself for ``module:``."""
     module, _, qualname = target.partition(":")
-    return _resolve(module, qualname)
+    return _resolve(module, qualname) if qualname else importlib.import_module(module)
 
 
 _PATCHES = all_patches()
@@ -252,36 +186,185 @@ def test_wrapped_callable_keeps_its_parameters(patch: Patch) -> None:
 )
 def test_private_attributes_are_still_used_upstream(patch: Patch) -> None:
     owner, names = patch.attributes  # type: ignore[misc]
-    source = "".join(_source(cls) for cls in inspect.getmro(_resolve_target(owner)))
+    found = _resolve_target(owner)
+    source = "".join(_source(cls) for cls in (inspect.getmro(found) if isinstance(found, type) else [found]))
     missing = [name for name in names if f".{name}" not in source]
     assert not missing, f"{owner} no longer has {missing} ({patch.why}); see lightscale/patches/"
 
 
-def _source(cls: type) -> str:
+def _source(cls: object) -> str:
     try:
         return inspect.getsource(cls)
     except (OSError, TypeError):  # builtins, generics
         return ""
 
 
-def test_only_the_patches_package_rebinds_upstream_names() -> None:
-    """No mock in the package, no instance method shadowed and no environment written outside lightscale/patches/
-    (lightscale's own LIGHTSCALE_* variables aside)."""
-    root = Path(__file__).resolve().parents[2] / "lightscale"
-    found = []
-    for path in root.rglob("*.py"):
-        if "patches" in path.parts:
+# ---- the guard: upstream names and process state are touched only in lightscale/patches/ -----------------------
+ROOT = Path(__file__).resolve().parents[2] / "lightscale"
+# Underscored names that are public API: namedtuple's methods and fields, os._exit.
+PUBLIC = {"_replace", "_fields", "_asdict", "_make", "_exit"}
+MUTATORS = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+
+
+def _modules() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text(), str(path))) for path in sorted(ROOT.rglob("*.py"))]
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _upstream_names(tree: ast.Module) -> set[str]:
+    """Names a module binds by importing something that is not lightscale (``os``, ``sys``, ``rank_zero_only``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("lightscale")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and not (node.module or "").startswith("lightscale"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _own_private_names(modules: list[tuple[Path, ast.Module]]) -> set[str]:
+    """``_names`` lightscale defines itself (functions, classes, variables, attributes it stores, parameters)."""
+    own: set[str] = set()
+    for _, tree in modules:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)) or isinstance(node, ast.arg):
+                own.add(node.id if isinstance(node, ast.Name) else node.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.alias) and not node.name.startswith("_"):
+                own.add(node.asname or node.name)
+            elif isinstance(node, ast.keyword) and node.arg:
+                own.add(node.arg)
+    return own
+
+
+def _writes(tree: ast.Module) -> list[tuple[int, str]]:
+    """Stores, ``setattr``/``delattr``, environment mutations and method shadowing that reach upstream objects or
+    process state: (line, what)."""
+    upstream = _upstream_names(tree)
+    shadowed = {  # attributes this module sets to a lambda on an object other than self: a method shadowed
+        target.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and ast.unparse(_root(target)) != "self"
+    }
+    found = [(node.lineno, f"{attribute} = lambda (a shadowed method)") for node in ast.walk(tree)
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)
+             for target in node.targets
+             if isinstance(target, ast.Attribute) and ast.unparse(_root(target)) != "self"
+             for attribute in [ast.unparse(target)]]  # fmt: skip
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if not isinstance(part, (ast.Attribute, ast.Subscript)):
+                    continue
+                root = _root(part)
+                if isinstance(root, ast.Name) and root.id in upstream:
+                    found.append((node.lineno, f"store {ast.unparse(part)}"))
+                elif isinstance(node, ast.Delete) and isinstance(part, ast.Attribute) and part.attr in shadowed:
+                    found.append((node.lineno, f"del {ast.unparse(part)} (a shadowed method)"))
+        if not isinstance(node, ast.Call):
             continue
-        text = path.read_text()
-        found += [f"{path.name}: {word}" for word in ("unittest", "MethodType", "environ.setdefault") if word in text]
-        found += [
-            f"{path.name}: os.environ[...] ="
-            for line in text.splitlines()
-            if "os.environ[" in line and "] =" in line and "LAUNCHER" not in line
-        ]
-    assert not found, found
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
+            root = _root(node.args[0])
+            if isinstance(root, ast.Name) and root.id in upstream:
+                found.append((node.lineno, f"{func.id}({ast.unparse(node.args[0])}, ...)"))
+        elif isinstance(func, ast.Attribute) and (
+            (func.attr in MUTATORS and "environ" in ast.unparse(func.value)) or func.attr in ("putenv", "unsetenv")
+        ):
+            found.append((node.lineno, f"{ast.unparse(func)}(...)"))
+        elif "MethodType" in ast.unparse(func):
+            found.append((node.lineno, "types.MethodType (a shadowed method)"))
+    found += [
+        (node.lineno, "unittest (a mock in the package)")
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and "unittest" in [getattr(node, "module", None), *(a.name.split(".")[0] for a in node.names)]
+    ]
+    return sorted(found)
+
+
+def _private_reads(tree: ast.Module, own: set[str]) -> list[tuple[int, str]]:
+    """Private names of other packages read: ``x._name``, ``getattr(x, "_name")``, ``from pkg import _name``, where
+    lightscale defines no ``_name`` itself."""
+    found = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            name = node.attr
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") and node.args[1:]:
+            value = node.args[1]
+            name = value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+        elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("lightscale") and node.level == 0:
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("_") and a.name not in own]
+        if name and name.startswith("_") and not name.startswith("__") and name not in own | PUBLIC:
+            found.append((node.lineno, name))
+    return sorted(found)
+
+
+def _pinned_words() -> set[str]:
+    words: set[str] = set()
+    for patch in all_patches():
+        text = " ".join([patch.target, *(patch.signature or ("", ()))[:1], *((patch.attributes or ("", ()))[1])])
+        words |= set(re.findall(r"_?\w+", text))
+    return words
+
+
+def test_only_the_patches_package_writes_upstream_or_process_state() -> None:
+    """Outside lightscale/patches/: no store, ``setattr``/``delattr`` or environment mutation on an imported module or
+    upstream object, no shadowed method, no mock. lightscale/patches/process.py holds the writes, each in the table."""
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{line} {what}"
+        for path, tree in _modules()
+        if "patches" not in path.relative_to(ROOT).parts
+        for line, what in _writes(tree)
+    ]
+    assert not found, "write it through lightscale/patches/ (a function there, a row in its PATCHES):\n" + "\n".join(
+        found
+    )
+
+
+def test_every_private_read_is_pinned() -> None:
+    """A private name of torch, Lightning, DeepSpeed or another package read anywhere in lightscale is named by a row
+    of the table (lightscale/patches/private_reads.py for reads), so the tests above pin it to the release."""
+    modules = _modules()
+    own, pinned = _own_private_names(modules), _pinned_words()
+    unpinned = [
+        f"{path.relative_to(ROOT.parent)}:{line} {name}"
+        for path, tree in modules
+        for line, name in _private_reads(tree, own)
+        if name not in pinned
+    ]
+    assert not unpinned, "pin these in lightscale/patches/private_reads.py:\n" + "\n".join(unpinned)
+
+
+def test_the_guard_sees_what_a_text_search_missed() -> None:
+    tree = ast.parse(
+        "import os, sys\nfrom lightning.pytorch.utilities.rank_zero import rank_zero_only\n"
+        "os.environ.update(A='1')\nsetattr(sys, 'excepthook', print)\nrank_zero_only.rank = 0\n"
+        "sys.excepthook = print\nos.environ['B'] = '1'\nmodule.loss = lambda batch: batch\ndel module.loss\n"
+    )
+    assert [line for line, _ in _writes(tree)] == [3, 4, 5, 6, 7, 8, 9]
+    reads = ast.parse("import torch\ntorch._C._current_graph_task_id()\nmodule._trainer\nself._mine = 1\nx._mine\n")
+    assert [name for _, name in _private_reads(reads, {"_mine"})] == ["_C", "_current_graph_task_id", "_trainer"]
 
 
 def test_architecture_page_lists_every_patch() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
-    assert not [p.target for p in _PATCHES if f"`{p.target}`" not in page]
+    assert not [p.target for p in _PATCHES if p.scope != "read" and f"`{p.target}`" not in page]

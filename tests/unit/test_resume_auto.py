@@ -14,10 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightscale
 from lightscale.callbacks import PeriodicCheckpoint
+from lightscale.checkpoint.resume import newest_checkpoint, resolve_resume
 from lightscale.cli import main, resolve_resume_args
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPTDataModule, GPTModule
-from lightscale.resume import newest_checkpoint, resolve_resume
 from lightscale.storage.safe_io import SafeCheckpointIO
 
 
@@ -50,7 +50,7 @@ def test_newest_complete_checkpoint_skips_staging_left_overs(tmp_path: Path) -> 
 
 def test_explicit_ckpt_path_wins_and_nothing_found_starts_fresh(tmp_path: Path) -> None:
     _make(tmp_path / "last.ckpt", 1_000)
-    with mock.patch("lightscale.resume.rank_zero_info") as info:
+    with mock.patch("lightscale.checkpoint.resume.rank_zero_info") as info:
         assert resolve_resume("auto", "other.ckpt", tmp_path) == "other.ckpt"
         assert resolve_resume(None, None, tmp_path) is None
         assert resolve_resume("never", None, tmp_path) is None

@@ -22,8 +22,6 @@ Example (each worker process; ``TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510``):
 from __future__ import annotations
 
 import math
-import os
-import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,63 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightscale.errors import ConfigurationError
 from lightscale.parallel.diloco.outer_settings import Mode, OuterOptimizerFactory
 from lightscale.parallel.diloco.outer_sync import OuterSync
+from lightscale.parallel.fault_tolerance import REPLICA_ID_ENV, FaultTolerance, build_manager
 
-REPLICA_ID_ENV = "LIGHTSCALE_REPLICA_ID"
-
-
-@dataclass(frozen=True)
-class FaultTolerance:
-    """How a fault-tolerant DiLoCo worker meets the others (``DiLoCoStrategy(fault_tolerant=FaultTolerance(...))``).
-
-    Args:
-        replica_id: this worker's name, kept across its restarts; default: the ``LIGHTSCALE_REPLICA_ID`` variable.
-        min_replicas: fewest workers a round may commit with.
-        lighthouse: ``http://host:port`` of the lighthouse; default: the ``TORCHFT_LIGHTHOUSE`` variable.
-        timeout_s: collectives, commits and the state transfer; a dead or hung peer costs a round at most this.
-        quorum_timeout_s: how long a round's start may wait for ``min_replicas`` live workers.
-        data_shards: ``None``: every worker reads its whole dataset (each worker brings its own data); ``n``: the
-            dataset is split in ``n`` parts and worker ``k`` (the number ``replica_id`` ends with) reads part ``k``.
-    """
-
-    replica_id: str | None = None
-    min_replicas: int = 2
-    lighthouse: str | None = None
-    timeout_s: float = 30.0
-    quorum_timeout_s: float = 60.0
-    data_shards: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
-            raise ConfigurationError(f"min_replicas={self.min_replicas!r} is not valid; use an integer >= 1.")
-        for name in ("timeout_s", "quorum_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigurationError(f"{name}={getattr(self, name)!r} is not valid; use a number of seconds > 0.")
-        if self.data_shards is not None and (not isinstance(self.data_shards, int) or self.data_shards < 1):
-            raise ConfigurationError(f"data_shards={self.data_shards!r} is not valid; use None or an integer >= 1.")
-
-    def resolved_replica_id(self) -> str:
-        replica_id = self.replica_id or os.environ.get(REPLICA_ID_ENV)
-        if not replica_id:
-            raise ConfigurationError(
-                f"A fault-tolerant DiLoCo worker needs a name that it keeps across restarts: pass "
-                f"FaultTolerance(replica_id='worker_0') or set {REPLICA_ID_ENV}=worker_0 for each worker's launch."
-            )
-        return replica_id
-
-    def data_part(self) -> int:
-        """The part of the dataset this worker reads: the number its ``replica_id`` ends with."""
-        replica_id = self.resolved_replica_id()
-        digits = replica_id[len(replica_id.rstrip("0123456789")) :]
-        assert self.data_shards is not None
-        if not digits or int(digits) >= self.data_shards:
-            raise ConfigurationError(
-                f"replica_id={replica_id!r} does not end with a part number below data_shards={self.data_shards}; "
-                f"name the workers worker_0 ... worker_{self.data_shards - 1} (or leave data_shards unset)."
-            )
-        return int(digits)
+__all__ = ["REPLICA_ID_ENV", "FaultTolerance", "FaultTolerantOuterSync", "RoundRecord"]  # FaultTolerance: re-exported
 
 
 @dataclass(frozen=True)
@@ -217,32 +163,14 @@ def _build_manager(
     timeout: timedelta,
     quorum_timeout: timedelta,
 ) -> Any:
-    # optional extra: pip install lightscale[ft]
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    # The replica group's own store, served by its rank 0; torchft prefixes each quorum's keys in it.
-    rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    host = os.environ.get("MASTER_ADDR", "localhost") if size > 1 else "localhost"
-    lighthouse = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-    local = any(name in lighthouse for name in ("127.0.0.1", "localhost"))  # peers fetch a heal from this name
-    owner._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
-    port = [owner._store.port if owner._store is not None else 0]
-    if group is not None and size > 1:
-        dist.broadcast_object_list(port, group=group, group_src=0)
-    return Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=owner.load_state_dict,
-        state_dict=owner.state_dict,
-        min_replica_size=min_replicas,
-        use_async_quorum=False,  # heal before the round's first step, so the healed worker trains the round
-        timeout=timeout,
-        quorum_timeout=quorum_timeout,
-        rank=rank,
-        world_size=size,
-        store_addr=host,
-        store_port=port[0],
-        lighthouse_addr=lighthouse_addr,
+    # Synchronous quorum: a worker behind heals before the round's first step, so it trains the round.
+    settings = FaultTolerance(
         replica_id=replica_id,
-        hostname="localhost" if local else socket.gethostname(),
+        min_replicas=min_replicas,
+        lighthouse=lighthouse_addr,
+        timeout_s=timeout.total_seconds(),
+        quorum_timeout_s=quorum_timeout.total_seconds(),
+    )
+    return build_manager(
+        settings, state_dict=owner.state_dict, load_state_dict=owner.load_state_dict, group=group, owner=owner
     )

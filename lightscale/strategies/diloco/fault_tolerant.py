@@ -18,10 +18,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
 from lightscale.parallel.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
+from lightscale.strategies.fault_tolerant_step import replica_data_shard as worker_data_shard  # noqa: F401 - one rule
 
 
 def fault_tolerance_of(
@@ -50,13 +50,6 @@ def fault_tolerance_of(
             f"compression={compression!r}."
         )
     return ft
-
-
-def worker_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
-    """With ``data_shards``, a worker reads its own part of the dataset, split over its ranks (``shard``)."""
-    if ft.data_shards is None:
-        return shard
-    return DataShard(ft.data_part() * shard.count + shard.index, ft.data_shards * shard.count)
 
 
 def fault_tolerant_outer_sync(

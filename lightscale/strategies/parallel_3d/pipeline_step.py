@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightscale.parallel.pipeline import prune_to
 from lightscale.parallel.pipeline_runtime import Pipeline, PipelinedNetwork
+from lightscale.patches.process import delete_user_attribute, set_user_attribute
 
 LossScale = Callable[[Tensor], Tensor]
 
@@ -51,11 +52,11 @@ class PipelinedModule:
     # ---- which network module.model is ----------------------------------------------------------------------
     def attach(self) -> None:
         """``module.model`` becomes this rank's stages (for fit, and for evaluation after fit)."""
-        self.module.model = self.stages
+        set_user_attribute(self.module, "model", self.stages)
 
     def detach(self) -> None:
         """``module.model`` is the user's whole network again."""
-        self.module.model = self.network
+        set_user_attribute(self.module, "model", self.network)
 
     # ---- one step --------------------------------------------------------------------------------------------
     @contextmanager
@@ -64,17 +65,17 @@ class PipelinedModule:
         each microbatch loss; else forward-only), and under ``predict_step`` ``module.model`` runs it forward-only."""
         module = self.module
         if step == "training_step":
-            module.loss = lambda batch: self._train_loss(batch, loss_scale)
+            set_user_attribute(module, "loss", lambda batch: self._train_loss(batch, loss_scale))
         else:
-            module.loss = lambda batch: self.pipeline.evaluate(*batch)
+            set_user_attribute(module, "loss", lambda batch: self.pipeline.evaluate(*batch))
         if step == "predict_step":
-            module.model = PipelinedNetwork(self.pipeline)
+            set_user_attribute(module, "model", PipelinedNetwork(self.pipeline))
         try:
             yield
         finally:
-            del module.loss  # the method again
+            delete_user_attribute(module, "loss")  # the method again
             if step == "predict_step":
-                module.model = self.stages
+                set_user_attribute(module, "model", self.stages)
 
     def _train_loss(self, batch: tuple[Tensor, Tensor], loss_scale: LossScale | None) -> Tensor:
         inputs, targets = batch

@@ -131,20 +131,20 @@ class Parallel3DStrategy(LightscaleStrategy):
         ),
         "cp2_tp2": ("context parallel 2 x tensor parallel 2, the rest FSDP2", {"cp": 2, "tp": 2}),
     }
-    plannable = (
-        Plannable(
+    plannable = (  # the degrees come from the aliases
+        Plannable.of(
+            aliases,
             "cp2",
             "3Ψ + K/V ring/layer",
             "+ sequences split over 2 ranks (activations / 2)",
             activation_checkpointing="full",
-            cp=2,
         ),
-        Plannable(
+        Plannable.of(
+            aliases,
             "tp2",
             "3Ψ/2 + 4bsh/layer",
             "+ tensor parallel over 2 ranks (layers split)",
             activation_checkpointing="full",
-            tp=2,
         ),
     )
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightscale.patches.process import set_environment
 from lightscale.runtime.failure import EXIT_CODE, report_escaped, settle_failures
 
 
@@ -128,15 +129,17 @@ def _rank_main(
     kwargs: dict,
     results: Any,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        OMP_NUM_THREADS="1",
+    set_environment(
+        dict(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            GROUP_RANK="0",
+            OMP_NUM_THREADS="1",
+        )
     )
     torch.set_num_threads(1)
     try:

@@ -1,0 +1,174 @@
+"""Per-step fault tolerance (``BucketedDDPStrategy(fault_tolerant=...)``) ÷ plain bucketed_ddp, and what a fault costs.
+
+Both sides train the tiny GPT of the GPT recipe on 2 CPU data-parallel ranks through ``lightscale.Trainer``:
+plain ``bucketed_ddp`` at ``devices=2`` (one launch), and 2 fault-tolerant replicas of 1 rank (two launches and a
+lighthouse), alternated ABBA; the ratio is of median step times. Then one fault: 2 replicas train, one is killed
+with SIGKILL and a replacement (started beforehand, waiting) is released once the survivor has committed a step
+alone; printed: seconds from the kill to the survivor's next committed step, from the release to the replacement's
+first step, and the steps lost (dropped) by the survivor.
+
+    python benchmarks/bench_ft_step.py [--repeats 2] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WARMUP = 5
+FAULT_STEPS, KILL_AT = 10_000, 40  # the fault run is ended once the replacement has stepped
+
+
+def _replica(mode: str, replica: int, out: str, port: int, steps: int) -> None:
+    """One launch: ``plain`` (bucketed_ddp, 2 ranks) or a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
+    import lightning.pytorch as pl
+
+    import lightscale
+    from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
+    from lightscale.strategies import BucketedDDPStrategy
+
+    flags = Path(out)
+    log = open(flags / f"{mode}.{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            ft = getattr(trainer.strategy, "ft", None)
+            record = {"t": time.monotonic(), "step": trainer.global_step, "s": time.perf_counter() - self.start,
+                      "replicas": ft.step.participants if ft else 2, "dropped": ft.dropped if ft else 0}  # fmt: skip
+            log.write(json.dumps(record) + "\n")
+
+    while mode == "spare" and not (flags / "release").exists():  # started early: the rejoin is timed, not imports
+        time.sleep(0.02)
+    pl.seed_everything(0, verbose=False)
+    if mode == "plain":
+        strategy = BucketedDDPStrategy()
+    else:
+        ft = lightscale.FaultTolerance(replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}",
+                                       min_replicas=1 if mode != "ft" else 2, data_shards=2, timeout_s=5)  # fmt: skip
+        strategy = BucketedDDPStrategy(fault_tolerant=ft)
+    trainer = lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2 if mode == "plain" else 1,
+                                 max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, limit_val_batches=0, callbacks=[Steps()])  # fmt: skip
+    config = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
+    trainer.fit(GPTModule(config), GPTDataModule(block_size=config.block_size, batch_size=8))
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _records(out: Path, mode: str) -> dict[int, list[dict[str, Any]]]:
+    """Each process's records (pid -> list), complete lines only."""
+    found = {}
+    for path in out.glob(f"{mode}.*.jsonl"):
+        lines = path.read_text().split("\n")[:-1]
+        found[int(path.name.split(".")[1])] = [json.loads(line) for line in lines]
+    return found
+
+
+@contextlib.contextmanager
+def _job(min_replicas: int) -> Any:
+    """A lighthouse, a scratch directory and ``start(mode, replica, steps)``; every process ends with the block."""
+    from lightscale.parallel.diloco.lighthouse import start_lighthouse
+
+    server, address = start_lighthouse(min_replicas=min_replicas)
+    port = int(address.rsplit(":", 1)[1])
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as out:
+
+        def start(mode: str, replica: int, steps: int) -> subprocess.Popen[bytes]:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+            cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))  # fmt: skip
+            return procs[-1]
+
+        try:
+            yield start, Path(out)
+        finally:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            server.shutdown()
+
+
+def _median_step(mode: str, steps: int) -> float:
+    with _job(min_replicas=2) as (start, out):
+        procs = [start("plain", 0, steps)] if mode == "plain" else [start("ft", 0, steps), start("ft", 1, steps)]
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"{mode} launch failed ({proc.returncode})")
+        times = [r["s"] for records in _records(out, mode).values() for r in records if r["step"] > WARMUP]
+    return statistics.median(times)
+
+
+def _wait(predicate: Any, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def _fault() -> dict[str, float]:
+    with _job(min_replicas=1) as (start, out):
+        survivor, victim = start("fault", 0, FAULT_STEPS), start("fault", 1, FAULT_STEPS)
+        spare = start("spare", 1, FAULT_STEPS)
+        steps = lambda pid: _records(out, "fault").get(pid, [])  # noqa: E731
+        _wait(lambda: len(steps(victim.pid)) >= KILL_AT, "the victim's steps")
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait(lambda: any(r["t"] > killed and r["replicas"] == 1 for r in steps(survivor.pid)), "the survivor alone")
+        alone = next(r for r in steps(survivor.pid) if r["t"] > killed and r["replicas"] == 1)
+        first_after = next(r for r in steps(survivor.pid) if r["t"] > killed)
+        (out / "release").touch()
+        released = time.monotonic()
+        _wait(lambda: bool(_records(out, "spare").get(spare.pid)), "the spare's first step")
+        rejoined = _records(out, "spare")[spare.pid][0]
+        dropped = steps(survivor.pid)[-1]["dropped"]
+    return {
+        "kill_to_survivor_step_s": first_after["t"] - killed,
+        "kill_to_survivor_alone_s": alone["t"] - killed,
+        "release_to_replacement_step_s": rejoined["t"] - released,
+        "steps_lost_by_survivor": dropped,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {"plain": [], "ft": []}
+    for i in range(args.repeats):
+        for mode in ("plain", "ft") if i % 2 == 0 else ("ft", "plain"):
+            times[mode].append(_median_step(mode, WARMUP + args.steps))
+    plain, ft = statistics.median(times["plain"]), statistics.median(times["ft"])
+    print(f"median step: bucketed_ddp {plain * 1e3:.1f} ms, fault_tolerant {ft * 1e3:.1f} ms, ratio {ft / plain:.3f}")
+    print(f"  per repeat (ms): plain {[round(t * 1e3, 1) for t in times['plain']]}, "
+          f"ft {[round(t * 1e3, 1) for t in times['ft']]}")  # fmt: skip
+    print("fault:", json.dumps({k: round(v, 2) for k, v in _fault().items()}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
+        _replica(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()

@@ -1,0 +1,196 @@
+"""What ``BucketedDDPStrategy(fault_tolerant=...)`` adds: this launch is one replica that meets the others through
+torchft each optimizer step (lightscale/parallel/fault_tolerant_step.py) and heals from a live peer when behind.
+
+A healing replica receives the Lightning state a peer holds at the start of the step: parameters and buffers,
+optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its
+sampler, lightscale's, reads on from there in its own part of the data). Rank 0 of each replica logs one line per
+step and ``ft/replicas`` to the loggers. The settings are checked here, before any process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightscale.data.data_shard import DataShard
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
+from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+
+WHAT = "per-step fault tolerance (bucketed_ddp)"
+
+
+def fault_tolerance_of(fault_tolerant: FaultTolerance | bool | None, *, compression: str) -> FaultTolerance | None:
+    """The settings of ``fault_tolerant=`` (``None`` when off); refused here, before any process starts, where
+    torchft is missing, the replica has no name or lighthouse, or the compression keeps per-replica state."""
+    if fault_tolerant is None or fault_tolerant is False:
+        return None
+    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
+    if not isinstance(ft, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
+        )
+    require_torchft(WHAT)
+    ft.resolved_replica_id()
+    ft.resolved_lighthouse()
+    if compression == "powersgd":
+        raise ConfigurationError(
+            "compression='powersgd' cannot run with fault_tolerant: its error-feedback residuals live on each replica "
+            "and a healed one would not have them; use compression='none' or 'bf16'."
+        )
+    return ft
+
+
+def refuse_fault_tolerance(fault_tolerant: object, strategy: str) -> None:
+    """Strategies without per-step fault tolerance yet refuse the argument rather than ignore it."""
+    if fault_tolerant not in (None, False):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not available for {strategy} yet: per-step fault tolerance runs on "
+            f"bucketed_ddp (strategy=BucketedDDPStrategy(fault_tolerant=FaultTolerance(...))), and DiLoCo has its "
+            f"own (DiLoCoStrategy(fault_tolerant=...))."
+        )
+
+
+def replica_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
+    """With ``data_shards``, a replica (a DiLoCo worker too) reads its own part of the dataset, split over its ranks
+    (``shard``); without, every replica reads the whole dataset."""
+    if ft.data_shards is None:
+        return shard
+    return DataShard(ft.data_part() * shard.count + shard.index, ft.data_shards * shard.count)
+
+
+class FaultTolerantReplica:
+    """The Lightning side of one replica: its torchft step, the state a peer heals from, the per-step log."""
+
+    def __init__(self, settings: FaultTolerance) -> None:
+        self.settings = settings
+        self.step: FaultTolerantStep | None = None
+        self.trainer: Trainer | None = None
+        self.loader: object = None
+        self.position = (0, 0)  # (epoch, batches trained in it) at the start of the current step
+        self.reading = False  # the loader iterates: a heal can no longer move its position
+        self.heals = 0
+        self.most_replicas = 0
+        self.steps_with_fewer = 0  # committed with fewer replicas than the most seen: a missing part's batch skipped
+        self.dropped = 0
+        self.resumed_steps: int | None = None  # torchft's step count in the checkpoint this run resumed from
+
+    def join(self, trainer: Trainer, loader: object) -> None:
+        """The first quorum, before the data is read: a replica behind its peers heals here and reads on from them."""
+        self.trainer, self.loader = trainer, loader
+        if self.step is None:
+            group = dist.group.WORLD if trainer.world_size > 1 else None
+            self.step = FaultTolerantStep(
+                self.settings, state_dict=self.state_dict, load_state_dict=self.load_state_dict, group=group
+            )
+            if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
+                self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
+        self.step.begin()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """In the portable layout's trainer state: the steps committed, so that after a whole job was lost and every
+        replica resumed from its own save, the first quorum makes the replica with the newest save the source."""
+        return {"replica": self.settings.resolved_replica_id(), "committed_steps": self._committed_steps()}
+
+    def restore_checkpoint_state(self, state: dict[str, Any] | None) -> None:
+        self.resumed_steps = None if state is None else int(state["committed_steps"])
+
+    def _committed_steps(self) -> int:
+        if self.step is not None:
+            return self.step.committed_steps
+        return self.resumed_steps or 0
+
+    def begin(self, trainer: Trainer, batch_idx: int) -> None:
+        self.position = (trainer.current_epoch, batch_idx)
+        self.reading = True
+        if self.step is not None:
+            self.step.begin()
+
+    def optimizer_step(self, apply: Any, closure: Any, gradients: list[Tensor]) -> Any:
+        """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded."""
+        result = closure()
+        assert self.step is not None and self.trainer is not None
+        self.step.average(gradients)
+        participants = self.step.participants
+        committed = self.step.commit()
+        number = self.trainer.global_step + 1
+        if committed:
+            self.most_replicas = max(self.most_replicas, participants)
+            self.steps_with_fewer += participants < self.most_replicas
+            rank_zero_info(f"lightscale-ft: step {number} committed, {participants} replica(s)")
+        else:
+            self.dropped += 1
+            rank_zero_info(f"lightscale-ft: step {number} dropped (a replica of it failed), applied by none")
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"ft/replicas": float(participants if committed else 0)}, step=self.trainer.global_step)
+        return apply(lambda: result) if committed else result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Read by torchft's transport while this rank waits in the quorum: nothing changes under it, and the
+        transport stops serving (``should_commit``) before the optimizer steps, so no copies are made."""
+        trainer = self.trainer
+        assert trainer is not None
+        loop = trainer.fit_loop.epoch_loop
+        return {
+            "replica": self.settings.resolved_replica_id(),
+            "model": trainer.lightning_module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "optim_progress": loop.automatic_optimization.optim_progress.state_dict(),
+            "manual_progress": loop.manual_optimization.optim_step_progress.state_dict(),
+            "batches_that_stepped": loop._batches_that_stepped,
+            "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
+            "rng": _collect_rng_states(),
+            "position": list(self.position),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        trainer.lightning_module.load_state_dict(state["model"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        loop = trainer.fit_loop.epoch_loop
+        loop.automatic_optimization.optim_progress.load_state_dict(state["optim_progress"])
+        loop.manual_optimization.optim_step_progress.load_state_dict(state["manual_progress"])
+        loop._batches_that_stepped = state["batches_that_stepped"]
+        _set_rng_states(state["rng"])
+        if not self.reading:  # before the first epoch starts: it starts at the peers' epoch (the sampler's too)
+            trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
+        self.heals += 1
+        self._read_on_from(*state["position"])
+        rank_zero_info(f"lightscale-ft: healed from {state['replica']} at step {trainer.global_step}")
+
+    def _read_on_from(self, epoch: int, batches: int) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        sampler = getattr(self.loader, "sampler", None)
+        if self.reading or epoch != trainer.current_epoch or not callable(getattr(sampler, "resume_from", None)):
+            rank_zero_warn(
+                f"lightscale-ft: this replica healed to epoch {epoch}, batch {batches} but reads on from where its "
+                f"loader is (epoch {trainer.current_epoch}; sampler {type(sampler).__name__})."
+            )
+            return
+        sampler.resume_from(epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
+
+    def summary(self) -> str:
+        return (
+            f"{self.steps_with_fewer} step(s) committed with fewer than {self.most_replicas} replicas (the missing "
+            f"replicas' batches of those steps were not trained), {self.dropped} dropped (trained by none), "
+            f"{self.heals} heal(s)"
+        )
+
+    def finish(self) -> None:
+        if self.step is None:
+            return
+        if self.steps_with_fewer or self.dropped:
+            rank_zero_info(f"lightscale-ft: {self.summary()}.")
+        self.step.shutdown()
+        self.step = None
