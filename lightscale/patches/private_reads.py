@@ -44,6 +44,8 @@ PATCHES = [
     ),
     read("torch.distributed.device_mesh", "DeviceMesh._concatenate", "HSDP over (dp_replicate, dp_shard x cp)"),
     read("lightning.pytorch.trainer.trainer", "Trainer._results", "cp: values logged in a step reduced over cp"),
+    read("lightning.fabric.utilities.seed", "_collect_rng_states", "per-step fault tolerance: a healed replica's RNG"),
+    read("lightning.fabric.utilities.seed", "_set_rng_states", "per-step fault tolerance: a healed replica's RNG"),
     read("lightning.fabric.utilities.types", "_Stateful", "stateful loaders: saved positions (loader_position.py)"),
     read("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher", "a stream's saved position skips the read-ahead"),
     read("litdata.utilities.env", "_DistributedEnv", "lightscale.streams.shard_litdata: litdata reads the data shard"),
