@@ -1,9 +1,10 @@
 """What a strategy does to memory, as plain numbers: how each kind of state is split, and where it lives.
 
-Each strategy class says it in its ``memory_layout(world_size)`` method (:class:`DescribesMemory`); a registered
-name is built from Lightning's ``StrategyRegistry`` (where lightscale's classes put themselves when defined)
-without starting anything, so the estimator, the memory-chosen strategy and the profiler's report agree with what
-the strategy will really do. This module knows no strategy class: the dependency runs strategies -> estimate.
+Each strategy class says it in its ``layout_for(world_size, **init_params)`` classmethod and an instance in its
+``memory_layout(world_size)`` (:class:`DescribesMemory`); a registered name is answered by its class from
+Lightning's ``StrategyRegistry`` (where lightscale's classes put themselves when defined), no instance built, so
+the estimator, the memory-chosen strategy and the profiler's report agree with what the strategy will really do.
+This module knows no strategy class: the dependency runs strategies -> estimate.
 
 Example:
     >>> layout_of("zero3", world_size=64)

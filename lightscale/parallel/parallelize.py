@@ -16,10 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -27,8 +29,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from lightscale.layers.float8 import Float8Options, apply_float8, float8_tp_plan
 from lightscale.layers.moe import MoE
 from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing, maybe_compile_units
+from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
-from lightscale.parallel.fsdp import apply_fsdp
+from lightscale.parallel.fsdp import apply_fsdp, contains_module, materialize_meta_module, torch_generator_states
 from lightscale.parallel.mesh import axis, data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
 from lightscale.parallel.zeropp import ZeroPPOptions, apply_zeropp
@@ -105,3 +108,37 @@ def parallelize_model(
         if options.zeropp is not None:
             apply_zeropp(root, dp_mesh, options.zeropp)
     return root
+
+
+@contextmanager
+def built_on_meta() -> Iterator[dict[str, torch.Tensor]]:
+    """Modules built inside land on the meta device (no rank allocates the whole model); yields the generator states
+    from which ``apply_to_roots`` replays their initialization when it materializes them."""
+    rng_state = torch_generator_states()
+    with torch.device("meta"):
+        yield rng_state
+
+
+def apply_to_roots(
+    module: nn.Module,
+    roots: Sequence[nn.Module],
+    units: Sequence[nn.Module],
+    parallelize_root: Callable[[nn.Module, list[nn.Module]], None],
+    *,
+    device: torch.device | None = None,
+    rng_state: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+) -> None:
+    """The one way a strategy applies its parallelism to the user's ``module``: placed on ``device`` unless built on
+    the meta device; every rank starts from rank 0's weights (meta tensors are skipped); each root parallelized with
+    the sharding units inside it (``parallelize_root``: a strategy's call of ``parallelize_model``); a meta-built
+    model materialized where its shards live, every rank replaying rank 0's generator (``rng_state``, broadcast),
+    so the shards are of one model whatever each rank's seed."""
+    is_meta = any(p.is_meta for p in module.parameters())
+    if not is_meta and device is not None:  # built on every rank: shards must start where they will live
+        module.to(device)
+    broadcast_module_state(module)
+    for root in roots:
+        parallelize_root(root, [unit for unit in units if contains_module(root, unit)])
+    if is_meta and rng_state is not None:
+        assert device is not None, "a meta-built model is materialized where its shards will live"
+        materialize_meta_module(module, device, rng_state=rng_state())

@@ -1,12 +1,10 @@
-"""The base every lightscale strategy shares, on :class:`~lightscale.runtime.processes.ProcessStrategy` (ranks,
-process group, collective timeout, failure watcher, collectives) and
-:class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` (checkpoints in the portable layout).
+"""The base every lightscale strategy shares, on ``ProcessStrategy`` (runtime/processes.py: ranks, process group,
+timeout, failure watcher, collectives) and ``CheckpointingStrategy`` (strategies/checkpoint_hooks.py: portable layout).
 
-What it owns: the parallel layout (:class:`ParallelDims`, turned into a DeviceMesh on first use) with the data shard
-each rank reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
-checkpoint plugins, applying parallelism to the model from outside it, the one setup template and step methods, and
-teardown. Checkpoints in the one portable layout (lightscale/checkpoint/portable.py: any strategy's, at any world size)
-are lightscale/strategies/checkpoint_hooks.py's.
+What it owns: the parallel layout (:class:`ParallelDims`, a DeviceMesh on first use) with the data shard each rank
+reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
+checkpoint plugins, applying parallelism from outside the model, the one setup template and step methods, teardown;
+what a class answers without an instance (memory, its names' parameter views) is strategies/class_answers.py's.
 
 What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
     * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
@@ -19,13 +17,13 @@ What a subclass supplies (``setup`` and the four step methods are one template h
       when the class is defined, also in a user's own file;
     * ``precision_rules`` - its part of the precision contract (a ``PrecisionRules``: how each precision is
       realised, where its engine differs, what it refuses); ``plannable`` - which names ``fit_memory`` /
-      ``lightscale plan`` may choose; ``memory_layout(world_size)`` - how it holds the model, for the estimator.
+      ``lightscale plan`` may choose; ``layout_for(world_size, **init_params)`` - how it holds the model, for the
+      estimator, from the class (no instance).
 See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
 
 from __future__ import annotations
 
-import logging
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any, ClassVar
 
@@ -57,6 +55,7 @@ from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
 from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
+from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view
 from lightscale.strategies.registry import REGISTERED, patch_lightning
 from lightscale.strategies.weight_averaging import (
     adopt_weight_averaging,
@@ -64,7 +63,6 @@ from lightscale.strategies.weight_averaging import (
     refuse_stochastic_weight_averaging,
 )
 
-log = logging.getLogger(__name__)
 # What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
 SEVERAL_OPTIMIZERS = (
     "Several optimizers (e.g. manual optimization of a GAN) run under BucketedDDPStrategy(find_unused_parameters=True) "
@@ -106,18 +104,15 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     def memory_layout(self, world_size: int) -> Layout:
         """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""
-        described = [
-            known.__name__ for known in REGISTERED if known.memory_layout is not LightscaleStrategy.memory_layout
-        ]
-        raise ConfigurationError(
-            f"No memory layout for {type(self).__name__}; lightscale estimates {', '.join(described)}."
-        )
+        return type(self).layout_for(world_size)
 
     @classmethod
     def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
-        """How a strategy built with ``init_params`` would hold the model, for the estimator and the planner. Built
-        and asked here; a class whose construction needs its engine answers from the parameters alone (ZeRO)."""
-        return cls(**init_params).memory_layout(world_size)
+        """How a strategy built with ``init_params`` would hold the model (estimator, planner), from the class and
+        the parameters (``init_arguments``): no instance, so no patch installed nor engine needed. Each family says."""
+        own = LightscaleStrategy.layout_for.__func__  # type: ignore[attr-defined]
+        described = [known.__name__ for known in REGISTERED if known.layout_for.__func__ is not own]
+        raise ConfigurationError(f"No memory layout for {cls.__name__}; lightscale estimates {', '.join(described)}.")
 
     @classmethod
     def default_name(cls) -> str:
@@ -381,24 +376,3 @@ class LightscaleStrategy(CheckpointingStrategy):
             if self._layer_sync and lightning_module._trainer is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
-
-
-def names_by_view() -> dict[str, ParameterView]:
-    """Every registered strategy name and how its optimizer sees parameters (for lightscale/optim/rule.py's error)."""
-    return {
-        name: known.parameter_view_for(init_params)
-        for known in REGISTERED
-        for name, (_, init_params) in known.__dict__["aliases"].items()
-    }
-
-
-def check_checkpoint_format(cls: type[LightscaleStrategy], checkpoint_format: str) -> None:
-    """Refuse a ``checkpoint_format`` the class does not write, naming its formats and the strategies with "file"."""
-    if checkpoint_format in cls.checkpoint_formats:
-        return
-    with_file = sorted(known.__name__ for known in REGISTERED if "file" in known.checkpoint_formats)
-    raise ConfigurationError(
-        f"checkpoint_format={checkpoint_format!r} is not available for {cls.__name__}; it writes "
-        f"{list(cls.checkpoint_formats)}. 'file' (Lightning's single file, written by rank 0) needs whole parameters "
-        f"on every rank: {', '.join(with_file)}. Any checkpoint becomes one file with `lightscale consolidate`."
-    )

@@ -82,10 +82,11 @@ class BucketedDDPStrategy(LightscaleStrategy):
     def runs_stochastic_weight_averaging(self) -> bool:
         return True  # whole parameters, the user's torch optimizer
 
+    @classmethod
     @override
-    def memory_layout(self, world_size: int) -> Layout:
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         """Every state replicated on every rank."""
-        return Layout(type(self).__name__, world_size, dp_replicate=world_size)
+        return Layout(cls.__name__, world_size, dp_replicate=world_size)
 
     def __init__(
         self,
@@ -137,6 +138,9 @@ class BucketedDDPStrategy(LightscaleStrategy):
 
     # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): the reducer over the worker's ranks -----------
     shards_parameters = False
+
+    def check_inner_settings(self) -> None:
+        """Every setting nests: the reducer runs over the worker's ranks."""
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(

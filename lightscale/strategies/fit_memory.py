@@ -55,8 +55,9 @@ class FitMemoryStrategy(LightscaleStrategy):
         "fit_memory": ("the least-communication strategy whose memory estimate fits the device (lightscale plan)", {})
     }
 
+    @classmethod
     @override
-    def memory_layout(self, world_size: int) -> Layout:
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         raise ConfigurationError(
             "fit_memory chooses its strategy when training starts: `lightscale plan` prints the candidates and its "
             "choice; estimate one of them by name (e.g. --trainer.strategy zero3)."

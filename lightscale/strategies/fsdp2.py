@@ -37,16 +37,12 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.parallel.fsdp import (
-    contains_module,
-    materialize_meta_module,
     no_gradient_sync,
-    torch_generator_states,
 )
 from lightscale.parallel.mesh import ParallelDims, check_degrees
-from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
+from lightscale.parallel.parallelize import ParallelizeOptions, apply_to_roots, built_on_meta, parallelize_model
 from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import (
@@ -59,6 +55,7 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.fault_tolerant_step import refuse_fault_tolerance
 
 
@@ -136,19 +133,19 @@ class FSDP2Strategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """Every state sharded over ``dp_shard`` ranks (replicated over ``dp_replicate`` groups), offload to host."""
         dims = self.parallel_dims(world_size)
-        return Layout(
-            type(self).__name__,
-            world_size,
-            shard_optimizer=True,
-            shard_gradients=True,
-            shard_parameters=True,
-            dp_shard=dims.dp_shard,
-            dp_replicate=dims.dp_replicate,
-            offload_optimizer=self.offload,
-            offload_parameters=self.offload,
-            activation_checkpointing=self.activation_checkpointing,
-            secondary_shard=self._secondary_size(dims.dp_shard) or 1,
+        return _fsdp2_layout(
+            type(self).__name__, dims, self.offload, self.activation_checkpointing, self._secondary_size(dims.dp_shard)
         )
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters (without a Trainer: one node)."""
+        p = init_arguments(cls, init_params)
+        dims = ParallelDims(world_size=world_size, dp_replicate=p["dp_replicate"], dp_shard=p["dp_shard"])
+        zeropp = ZeroPPOptions(p["quantized_weights"], p["quantized_gradients"], p["secondary_shard"])
+        secondary = _secondary_size(zeropp, dims.dp_shard, per_node=0)  # 0: no devices known, as an instance
+        return _fsdp2_layout(cls.__name__, dims, p["offload"], p["activation_checkpointing"], secondary)
 
     reads_single_files = False
     parameter_view = "dtensor"  # the optimizer steps DTensor shards (lightscale/optim/rule.py)
@@ -210,8 +207,7 @@ class FSDP2Strategy(LightscaleStrategy):
         if not self.meta_init or float8_options(self.precision_plugin) is not None:
             yield
             return
-        self._rng_state = torch_generator_states()  # materialization replays init from here
-        with torch.device("meta"):
+        with built_on_meta() as self._rng_state:  # materialization replays init from here
             yield
 
     @override
@@ -243,11 +239,6 @@ class FSDP2Strategy(LightscaleStrategy):
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return module  # already sharded by an earlier fit/validate on this module
         self._roots = data_parallel_roots(module, strategy=type(self).__name__)  # refused before any work
-        is_meta = any(p.is_meta for p in module.parameters())
-        device = torch.device("cpu") if self.offload else self.root_device
-        if not is_meta:  # built on every rank (meta_init=False): shards must start where they will live
-            module.to(device)
-        broadcast_module_state(module)  # every rank starts from rank 0's weights
         options = ParallelizeOptions(
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
@@ -259,12 +250,14 @@ class FSDP2Strategy(LightscaleStrategy):
             always_shard=True,
             zeropp=self.zeropp if self.zeropp.enabled else None,
         )
-        units = sharding_units(module, unit_classes=self.unit_classes)
-        for root in self._roots:
-            inside = [unit for unit in units if contains_module(root, unit)]
-            parallelize_model(root, self.device_mesh, units=inside, options=options)
-        if is_meta:  # every rank replays rank 0's generator: the shards of one model, whatever each rank's seed
-            materialize_meta_module(module, device, rng_state=self.broadcast(self._rng_state))
+        apply_to_roots(
+            module,
+            self._roots,
+            sharding_units(module, unit_classes=self.unit_classes),
+            lambda root, units: parallelize_model(root, self.device_mesh, units=units, options=options),
+            device=torch.device("cpu") if self.offload else self.root_device,
+            rng_state=lambda: self.broadcast(self._rng_state),
+        )
         return module
 
     def _reshard_after_forward(self) -> bool | int:
@@ -272,10 +265,7 @@ class FSDP2Strategy(LightscaleStrategy):
         return self._secondary_size(self.dims.dp_shard) or self.reshard_after_forward
 
     def _secondary_size(self, dp_shard: int) -> int | None:
-        """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
-        shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
-        size = self.zeropp.secondary_group_size(dp_shard=dp_shard, per_node=self.num_processes)
-        return size if size is not None and 1 < size < dp_shard else None
+        return _secondary_size(self.zeropp, dp_shard, per_node=self.num_processes)
 
     @override
     def model_to_device(self) -> None:
@@ -283,6 +273,14 @@ class FSDP2Strategy(LightscaleStrategy):
 
     # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): FSDP2 over the worker's ranks -----------------
     shards_parameters = True
+
+    def check_inner_settings(self) -> None:
+        if self.offload or self.dp_replicate != 1:
+            raise ConfigurationError(
+                f"inner=FSDP2Strategy(offload={self.offload}, dp_replicate={self.dp_replicate}) cannot run inside a "
+                "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
+                "workers are DiLoCo's replicas."
+            )
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         name = precision_name(plugin)
@@ -344,3 +342,28 @@ def _check_offload(offload: bool, pin_memory: bool | None) -> None:
             "offload=True with pin_memory=True needs CUDA: pinned host memory only exists for an accelerator. "
             "Use pin_memory=False (or leave it unset) on a CPU-only machine."
         )
+
+
+def _secondary_size(zeropp: ZeroPPOptions, dp_shard: int, *, per_node: int) -> int | None:
+    """The hpZ group size, or None where there is none (not asked, one rank per node, or one node: the primary
+    shards already are the secondary ones). ``"node"`` without a Trainer (the estimator) counts as one node."""
+    size = zeropp.secondary_group_size(dp_shard=dp_shard, per_node=per_node)
+    return size if size is not None and 1 < size < dp_shard else None
+
+
+def _fsdp2_layout(
+    name: str, dims: ParallelDims, offload: bool, activation_checkpointing: ACMode, secondary: int | None
+) -> Layout:
+    return Layout(
+        name,
+        dims.world_size,
+        shard_optimizer=True,
+        shard_gradients=True,
+        shard_parameters=True,
+        dp_shard=dims.dp_shard,
+        dp_replicate=dims.dp_replicate,
+        offload_optimizer=offload,
+        offload_parameters=offload,
+        activation_checkpointing=activation_checkpointing,
+        secondary_shard=secondary or 1,
+    )

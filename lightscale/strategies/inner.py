@@ -1,9 +1,11 @@
 """A strategy inside a DiLoCo worker: the data parallelism among the worker's own ranks, as the strategy itself does it.
 
-DiLoCo (strategies/diloco/) composes an inner strategy object - ``BucketedDDPStrategy(...)`` or ``FSDP2Strategy(...)``
-with any of their own settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype) - and keeps only what
-is its own: the outer sync across workers, the optimizer-step wrap, its checkpoint extras. The inner object is never
-connected to Lightning; DiLoCo asks it these questions over the ``dp_shard`` axis of its mesh (a worker's ranks).
+DiLoCo (strategies/diloco/) composes an inner strategy object - ``BucketedDDPStrategy(...)``, ``FSDP2Strategy(...)``
+with any of their own settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype), or any object that
+answers :class:`InnerStrategy` (checked with ``isinstance``; its settings by ``check_inner_settings``) - and keeps
+only what is its own: the outer sync across workers, the optimizer-step wrap, its checkpoint extras. The inner object
+is never connected to Lightning; DiLoCo asks it these questions over the ``dp_shard`` axis of its mesh (a worker's
+ranks).
 
 Example:
     >>> DiLoCoStrategy(workers=2, inner=BucketedDDPStrategy(compression="powersgd", bucket_cap_mb=5))
@@ -33,6 +35,10 @@ class InnerStrategy(Protocol):
     @property
     def shards_parameters(self) -> bool:
         """Whether the worker's ranks each hold a shard (FSDP2) rather than the whole model (a reducer)."""
+        ...
+
+    def check_inner_settings(self) -> None:
+        """Refuse (``ConfigurationError``) settings of this object that cannot run inside a worker."""
         ...
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightscale.callbacks import CommMonitor
 from lightscale.checkpoint.convert import read_model_state
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy
+from lightscale.strategies.diloco.checkpoint import global_model
 from lightscale.testing import run_distributed
 
 STEPS = 6
@@ -96,7 +97,8 @@ class GlobalsAtEnd(pl.Callback):
         self.values: dict[str, torch.Tensor] = {}
 
     def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
-        self.values = {name: _full(t) for name, t in trainer.strategy._globals().items()}
+        model = global_model(trainer.lightning_module, trainer.strategy.outer)
+        self.values = {name: _full(t) for name, t in model.items()}
 
 
 def _fit(
@@ -139,6 +141,55 @@ def test_h1_equals_data_parallel_and_local_sgd_equals_averaging() -> None:
     assert max(abs(a - b) for a, b in zip(out["h1_acc"], out["ddp_acc"], strict=True)) <= 1e-6
     assert out["ddp"] != out["ddp_acc"]  # accumulation changes the batches: the comparison is not vacuous
     assert out["local_moved"] > 1e-3 and out["local_vs_hand"] <= 1e-6
+
+
+class OwnInner:
+    """An inner strategy that is no lightscale class: it answers lightscale.strategies.inner.InnerStrategy by handing
+    each question to a reducer of its own (here bucketed_ddp's, with a smaller bucket)."""
+
+    precision_rules = BucketedDDPStrategy.precision_rules
+    shards_parameters = False
+
+    def __init__(self) -> None:
+        self._reducer = BucketedDDPStrategy(bucket_cap_mb=1.0)
+
+    def check_inner_settings(self) -> None:
+        pass
+
+    def inner_precision(self, plugin: Any, device_type: str) -> Any:
+        return self._reducer.inner_precision(plugin, device_type)
+
+    def inner_options(self, precision: str, *, activation_checkpointing: Any, compile: bool) -> Any:
+        return self._reducer.inner_options(
+            precision, activation_checkpointing=activation_checkpointing, compile=compile
+        )
+
+    def start_inner_sync(self, module: nn.Module, group: Any) -> None:
+        self._reducer.start_inner_sync(module, group)
+
+    def before_inner_step(self) -> None:
+        self._reducer.before_inner_step()
+
+    def inner_no_sync(self, model: nn.Module | None) -> Any:
+        return self._reducer.inner_no_sync(model)
+
+    def stop_inner_sync(self) -> None:
+        self._reducer.stop_inner_sync()
+
+    def optimizer_parameter_view(self) -> Any:
+        return "whole"
+
+
+def _own_inner() -> dict[str, Any]:
+    ddp, _ = _fit(BucketedDDPStrategy(), steps=3)
+    own, _ = _fit(_sgd_h1(workers=1, inner=OwnInner()), steps=3)
+    return {"ddp": ddp, "own": own}
+
+
+def test_any_inner_strategy_that_answers_the_protocol_runs() -> None:
+    """H=1 with outer SGD at lr 1 is data parallelism, whatever object runs the worker's reducer."""
+    out = run_distributed(_own_inner, world_size=2, timeout_s=300)[0]
+    assert len(out["own"]) == 3 and max(abs(a - b) for a, b in zip(out["own"], out["ddp"], strict=True)) <= 1e-6
 
 
 def _synchronous_start() -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -28,7 +28,6 @@ from typing_extensions import override
 
 from lightscale.checkpoint.diloco_state import (
     diloco_state,
-    like_param,
     load_diloco_state,
     load_global_state,
     read_diloco_state,
@@ -40,7 +39,6 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.diloco import (
     FaultTolerance,
     FaultTolerantOuterSync,
@@ -51,30 +49,33 @@ from lightscale.parallel.diloco import (
     default_outer_step,
     sgd_outer_optimizer,
 )
-from lightscale.parallel.fsdp import contains_module, materialize_meta_module, torch_generator_states
 from lightscale.parallel.mesh import ParallelDims, axis
-from lightscale.parallel.parallelize import parallelize_model
+from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import FLOAT8
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.class_answers import init_arguments
+from lightscale.strategies.diloco.checkpoint import global_model, refuse_single_file, resumes_exactly
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
     fault_tolerant_outer_sync,
     join_first_quorum,
     worker_data_shard,
 )
-from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back
+from lightscale.strategies.diloco.workers import (
+    DEFAULT_INNER,
+    Inner,
+    check_settings,
+    diloco_layout,
+    inner_parameter_view,
+    inner_strategy,
+    shards_parameters,
+    worker_dims,
+)
 from lightscale.strategies.inner import InnerStrategy
 from lightscale.strategies.weight_averaging import drop_average
-
-# inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
-INNER_CLASSES: dict[str, type[BucketedDDPStrategy | FSDP2Strategy]] = {
-    cls.default_name(): cls for cls in (BucketedDDPStrategy, FSDP2Strategy)
-}
-INNERS: tuple[str, ...] = tuple(INNER_CLASSES)
-DEFAULT_INNER = BucketedDDPStrategy.default_name()
-Inner = Literal[INNERS]  # type: ignore[valid-type]  # the names, for jsonargparse
 
 
 class DiLoCoStrategy(LightscaleStrategy):
@@ -83,9 +84,10 @@ class DiLoCoStrategy(LightscaleStrategy):
     Args:
         workers: replica groups that sync every ``sync_every`` steps; default one per node on several nodes, one
             per rank on one machine. Must divide the world size.
-        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or a
-            ``BucketedDDPStrategy(...)`` / ``FSDP2Strategy(...)`` object whose own settings (bucket sizes, bf16 or
-            PowerSGD gradients, FSDP2's reduce dtype) the worker runs with (lightscale/strategies/inner.py).
+        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or any
+            object that answers :class:`~lightscale.strategies.inner.InnerStrategy` (``BucketedDDPStrategy(...)``,
+            ``FSDP2Strategy(...)``, a user's own) whose settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's
+            reduce dtype) the worker runs with (lightscale/strategies/inner.py).
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
         outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
             ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in
@@ -128,7 +130,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @classmethod
     @override
     def parameter_view_for(cls, init_params: dict[str, Any]) -> ParameterView:
-        return inner_strategy(init_params.get("inner", DEFAULT_INNER)).optimizer_parameter_view()
+        return inner_parameter_view(init_params.get("inner", DEFAULT_INNER))
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
@@ -164,7 +166,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         default_lr, default_momentum = default_outer_step(self.schedule.sync_every)
         outer_lr = default_lr if outer_lr is None else outer_lr
         outer_momentum = default_momentum if outer_momentum is None else outer_momentum
-        _check_settings(workers, outer_lr, outer_momentum)
+        check_settings(workers, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
         inner = inner_strategy(inner)
         if inner.shards_parameters and self.checkpoint_format == "file":
@@ -186,18 +188,25 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def memory_layout(self, world_size: int) -> Layout:
-        """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the
-        global copy, the outer momentum (diloco with momentum > 0) and the compression residual."""
-        dims = self.parallel_dims(world_size)
-        sharded = self.inner.shards_parameters
+        """The inner layout inside a worker, plus the outer state (lightscale/strategies/diloco/workers.py)."""
         momentum = self.mode == "diloco" and self.outer_momentum > 0
-        outer = 4 + 4 * momentum + 4 * (self.compression != "none")
-        return Layout(
-            type(self).__name__, world_size, shard_optimizer=sharded, shard_gradients=sharded,
-            shard_parameters=sharded, dp_shard=dims.dp_shard if sharded else 1,
-            dp_replicate=dims.dp_replicate if sharded else world_size,
-            activation_checkpointing=self.activation_checkpointing, outer_state_bytes=outer,
-        )  # fmt: skip
+        dims, sharded = self.parallel_dims(world_size), self.inner.shards_parameters
+        return diloco_layout(
+            type(self).__name__, dims, sharded, momentum, self.compression, self.activation_checkpointing
+        )
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters (without a Trainer: one node)."""
+        p = init_arguments(cls, init_params)
+        momentum = p["outer_momentum"]
+        momentum = default_outer_step(p["sync_every"])[1] if momentum is None else momentum
+        dims = worker_dims(world_size, 1 if p["fault_tolerant"] is not False else p["workers"] or world_size)
+        sharded, diloco_momentum = shards_parameters(p["inner"]), p["mode"] == "diloco" and momentum > 0
+        return diloco_layout(
+            cls.__name__, dims, sharded, diloco_momentum, p["compression"], p["activation_checkpointing"]
+        )
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
@@ -205,13 +214,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         workers = self.workers or (self.num_nodes if self.num_nodes > 1 else world_size)
         if self.fault_tolerance is not None:
             workers = 1  # this launch is one worker; the others are launches of their own
-        if world_size % workers:
-            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigurationError(
-                f"workers={workers} does not divide the world size {world_size}: every worker needs the same number "
-                f"of ranks. Choose workers from {valid}."
-            )
-        return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+        return worker_dims(world_size, workers)
 
     @override
     def data_shard_of(self, dims: ParallelDims) -> DataShard:
@@ -250,8 +253,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if not self.meta_init:
             yield
             return
-        self._rng_state = torch_generator_states()  # materialization replays init from here
-        with torch.device("meta"):
+        with built_on_meta() as self._rng_state:  # materialization replays init from here
             yield
 
     @override
@@ -267,10 +269,6 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         """Every rank starts from rank 0's weights; the one parallelize path inside a worker, OuterSync across."""
-        is_meta = any(p.is_meta for p in module.parameters())
-        if not is_meta:
-            module.to(self.root_device)
-        broadcast_module_state(module)  # meta tensors are skipped: materialization replays rank 0's draws
         sharded = self.inner.shards_parameters
         options = replace(
             self.inner.inner_options(
@@ -284,12 +282,14 @@ class DiLoCoStrategy(LightscaleStrategy):
         roots = data_parallel_roots(module, strategy=type(self).__name__) if sharded else [data_parallel_root(module)]
         if sharded:
             self._roots = roots
-        units = sharding_units(module)
-        for root in roots:
-            inside = [unit for unit in units if contains_module(root, unit)]
-            parallelize_model(root, self.device_mesh, units=inside, options=options)
-        if is_meta:
-            materialize_meta_module(module, self.root_device, rng_state=self.broadcast(self._rng_state))
+        apply_to_roots(
+            module,
+            roots,
+            sharding_units(module),
+            lambda root, units: parallelize_model(root, self.device_mesh, units=units, options=options),
+            device=self.root_device,
+            rng_state=lambda: self.broadcast(self._rng_state),
+        )
         worker = axis(self.device_mesh, "dp_shard")
         self.inner.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
@@ -354,7 +354,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Lightning calls this once per optimizer step (after accumulation): the outer step follows the inner one.
         A synchronous step averages the gradients over the workers inside the closure, before clipping sees them."""
         if self.outer is not None and self.outer.synchronous:
-            closure = _averaging_gradients(closure, self.outer)
+            closure = averaging_gradients(closure, self.outer)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
@@ -374,39 +374,16 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Validation measures the global model (as DiLoCo reports); each worker's own parameters come back after."""
         super().on_validation_start()
         if self.outer is not None:
-            self._kept_locals = [self.outer.local(i).clone() for i in range(len(self.outer.params))]
-            with torch.no_grad():
-                for i, (_, tensor) in enumerate(self.outer.named_globals()):
-                    self.outer.local(i).copy_(tensor)
+            self._kept_locals = globals_in(self.outer)
 
     @override
     def on_validation_end(self) -> None:
         if self.outer is not None and self._kept_locals is not None:
-            with torch.no_grad():
-                for i, kept in enumerate(self._kept_locals):
-                    self.outer.local(i).copy_(kept)
+            locals_back(self.outer, self._kept_locals)
             self._kept_locals = None
         super().on_validation_end()
 
     # ---- checkpoints -------------------------------------------------------------------------------------
-    def _globals(self) -> dict[str, torch.Tensor]:
-        """The fp32 global model under the module's names, a tied parameter under each of its names as in
-        ``state_dict`` (a file without the second name misses a key in ``load_state_dict``); DTensors over the
-        worker's shards when FSDP2 shards."""
-        assert self.outer is not None
-        pairs = zip(self.outer.params, self.outer.named_globals(), strict=True)
-        by_param = {id(param): like_param(param, tensor) for param, (_, tensor) in pairs}
-        named = self.lightning_module.named_parameters(remove_duplicate=False)
-        return {name: by_param[id(param)] for name, param in named if id(param) in by_param}
-
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        """The module's persistent buffers (the same on every rank): saved beside the global parameters so that the
-        ``model.*`` entries are the module's whole ``state_dict``; loading fills them in place."""
-        module = self.lightning_module
-        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-        state = module.state_dict(keep_vars=True)
-        return {name: t for name, t in state.items() if name not in params and isinstance(t, torch.Tensor)}
-
     @override
     def saved_optimizers(self) -> list[dict[str, Any]] | None:
         """None while training: each worker's inner state is its own (``diloco.*``), no ``optimizer.*`` entries."""
@@ -420,7 +397,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         path = self.checkpoint_location(filepath)  # a local path or an fsspec URL
         self.check_checkpoint_dir(path.parent)
         if self.checkpoint_format == "file":  # the global model only: the workers' own state has no file form
-            model = {name: tensor.detach() for name, tensor in {**self._globals(), **self._buffers()}.items()}
+            model = {name: tensor.detach() for name, tensor in global_model(self.lightning_module, self.outer).items()}
             rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
             self.save_single_file({**rest, "state_dict": model}, path)
             return None
@@ -429,7 +406,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if self.ft is not None:
             meta["ft_rounds"] = self.ft.manager.current_step()
         rest = {**self.trainer_state(checkpoint), "diloco": meta}
-        model = {**self._globals(), **self._buffers()}
+        model = global_model(self.lightning_module, self.outer)
         write_checkpoint(path, {"model": model, "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
 
     @override
@@ -440,29 +417,13 @@ class DiLoCoStrategy(LightscaleStrategy):
         path = self.checkpoint_location(checkpoint_path)
         if self.outer is None:
             return super().load_checkpoint(path, weights_only)
-        if path.is_file():
-            raise ConfigurationError(
-                f"{path} is a single file; DiLoCo resumes from its portable layout (checkpoint_format='dcp'), which "
-                "holds every worker's own state. Evaluate the file, or start a new run from its weights (InitWeights)."
-            )
+        refuse_single_file(path)
         meta = self.read_trainer_state(path, fitting=True)
         saved = meta.get("diloco")
-        if saved is None:
-            raise ConfigurationError(
-                f"{path} was not saved by DiLoCo, so it holds no outer state to resume; load its model into a new run "
-                f"with `lightscale export` (or train on with the strategy that saved it)."
-            )
         shards = self.dims.dp_shard if self.inner.shards_parameters else 1
-        same = (saved["workers"], saved.get("shards", 1)) == (self.dims.dp_replicate, shards)
-        if not same and saved["pending"]:
-            raise ConfigurationError(
-                f"{path} was saved with {len(saved['pending'])} outer result(s) in flight (overlap_steps > 0), which "
-                f"only the saved layout ({saved['workers']} workers x {saved.get('shards', 1)} shards) can apply; "
-                f"resume it with that layout, or at another number of workers from a checkpoint saved right after "
-                f"a fragment's result landed."
-            )
+        same = resumes_exactly(path, saved, workers=self.dims.dp_replicate, shards=shards)
         worker = self.worker if same else None
-        model = {**self._globals(), **self._buffers()}
+        model = global_model(self.lightning_module, self.outer)
         tensors = read_diloco_state(path, self.outer, model, worker=worker, shard=self.shard)
         if same:
             load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
@@ -480,43 +441,3 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.ft = None
         self.outer = None
         super().teardown()
-
-
-def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
-    def closure_then_average() -> Any:
-        result = closure()
-        outer.average_gradients()
-        return result
-
-    return closure_then_average
-
-
-def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
-    """The inner strategy object: a name builds it with its defaults; an object is used as given (its own settings:
-    bucket sizes, bf16 or PowerSGD gradients, FSDP2's reduce dtype), refused where it cannot nest."""
-    if isinstance(inner, str) and inner in INNER_CLASSES:
-        return INNER_CLASSES[inner]()
-    if not isinstance(inner, BucketedDDPStrategy | FSDP2Strategy):
-        raise ConfigurationError(
-            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a "
-            "BucketedDDPStrategy / FSDP2Strategy object (engines that own the optimizer step, such as DeepSpeed's "
-            "ZeRO, and tp/pp layouts do not nest)."
-        )
-    if isinstance(inner, FSDP2Strategy) and (inner.offload or inner.dp_replicate != 1):
-        raise ConfigurationError(
-            f"inner=FSDP2Strategy(offload={inner.offload}, dp_replicate={inner.dp_replicate}) cannot run inside a "
-            "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
-            "workers are DiLoCo's replicas."
-        )
-    return inner
-
-
-def _check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise ConfigurationError(f"workers={workers!r} is not valid; use a positive integer or None (one per node).")
-    if not (isinstance(outer_lr, int | float) and outer_lr > 0):
-        raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (None: the default for H).")
-    if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
-        raise ConfigurationError(
-            f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (None: the default for H)."
-        )

@@ -8,14 +8,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
+from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.context_parallel import MODES as CP_MODES
 from lightscale.parallel.contract import (
     check_hooks,
@@ -26,7 +30,7 @@ from lightscale.parallel.contract import (
     tp_plan_of,
 )
 from lightscale.parallel.fsdp import contains_module
-from lightscale.parallel.mesh import axis
+from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import ParallelizeOptions, parallelize_model
 from lightscale.parallel.pipeline import prune_to, stage_ids, stage_ids_owner
 from lightscale.parallel.pipeline_runtime import Pipeline, share_stage_weights
@@ -34,8 +38,37 @@ from lightscale.plugins.fsdp_precision import float8_options, mp_policy, precisi
 from lightscale.strategies.parallel_3d.context_parallel_step import check_context_parallel_model, predict_refusal
 from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule
 
-if TYPE_CHECKING:
-    from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
+
+class Parallel3DStrategy(Protocol):
+    """What these functions read of the strategy (strategy.py's ``Parallel3DStrategy``), named here rather than
+    imported: the strategy module imports this one."""
+
+    tp: int
+    pp: int
+    cp: int
+    cp_mode: str
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    compression: str
+    activation_checkpointing: ACMode
+    compile: bool
+    precision_plugin: Precision
+
+    @property
+    def dims(self) -> ParallelDims: ...
+    @property
+    def device_mesh(self) -> DeviceMesh: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def shards_data_parallel(self) -> bool: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def lightning_module(self) -> LightningModule: ...
 
 
 def check_model(strategy: Parallel3DStrategy, module: LightningModule) -> None:

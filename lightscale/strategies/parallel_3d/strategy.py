@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from functools import partial
 from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
@@ -39,10 +40,9 @@ from lightscale.layers.moe import moe_layers
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.context_parallel import Mode as CPMode
 from lightscale.parallel.contract import data_parallel_roots, sharding_units
-from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import check_expert_parallel
-from lightscale.parallel.fsdp import contains_module
 from lightscale.parallel.mesh import ParallelDims, check_degrees, context_parallel_group, pipeline_group
+from lightscale.parallel.parallelize import apply_to_roots
 from lightscale.parallel.pipeline import (
     default_stages_per_rank,
     schedule_class,
@@ -59,10 +59,12 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,
 )
+from lightscale.strategies.parallel_3d.layout import LAYOUT_SETTINGS, dims_of, parallel_3d_layout
 from lightscale.strategies.parallel_3d.model import (
     build_pipeline,
     check_cp_options,
@@ -150,29 +152,13 @@ class Parallel3DStrategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """Dense states sharded by FSDP2 over dp_shard x ep x cp, layers split over tp, stages over pp, sequences over
         cp (activations)."""
-        dims = self.parallel_dims(world_size)
-        dense_shard = dims.dp_shard * dims.ep * dims.cp  # FSDP2 shards the dense part over the ep and cp ranks too
-        sharded = dense_shard > 1
-        return Layout(
-            type(self).__name__,
-            world_size,
-            shard_optimizer=sharded,
-            shard_gradients=sharded,
-            shard_parameters=sharded,
-            dp_shard=dense_shard,
-            dp_replicate=dims.dp_replicate,
-            tp=dims.tp,
-            pp=dims.pp,
-            ep=dims.ep,
-            cp=dims.cp,
-            cp_mode=self.cp_mode,
-            stages_per_rank=self.stages_per_rank if dims.pp > 1 else 1,
-            microbatches=self.microbatches,
-            v_shape=self.schedule == "zbv",
-            activation_checkpointing=self.activation_checkpointing,
-            sequence_parallel=self.sequence_parallel and dims.tp > 1,
-            loss_parallel=self.loss_parallel and dims.tp > 1,
-        )
+        return type(self).layout_for(world_size, **{name: getattr(self, name) for name in LAYOUT_SETTINGS})
+
+    @classmethod
+    @override
+    def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
+        """As ``memory_layout`` answers, from the parameters."""
+        return parallel_3d_layout(cls.__name__, world_size, init_arguments(cls, init_params))
 
     reads_single_files = False
 
@@ -238,16 +224,7 @@ class Parallel3DStrategy(LightscaleStrategy):
 
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        shard = self.dp_mode == "shard"
-        return ParallelDims(
-            world_size=world_size,
-            dp_shard=self.dp if shard else 1,
-            dp_replicate=1 if shard else self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            cp=self.cp,
-        )
+        return dims_of(world_size, self.dp, self.dp_mode, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     @override
     def setup_environment(self) -> None:
@@ -274,16 +251,13 @@ class Parallel3DStrategy(LightscaleStrategy):
             check_context_parallel_moe(module, cp=self.cp)
             group = context_parallel_group(self.device_mesh)
             self.context_parallel = ContextParallelStep(module, group, mode=self.cp_mode)
-        broadcast_module_state(module)  # every rank starts from rank 0's weights
+        # The same roots as under fsdp2 (same program for the same degrees); a pipeline parallelizes its stages.
+        self._roots = [] if self.dims.pp_enabled else self._data_parallel_roots(module)
+        parallelize = partial(parallelize_part, self, module)
+        apply_to_roots(module, self._roots, sharding_units(module), parallelize)  # placed by model_to_device
         if self.dims.pp_enabled:
             self.pipelined = build_pipeline(self, module, module.model)
             self.pipelined.attach()
-        else:
-            # The same roots as under fsdp2 (same program for the same degrees).
-            self._roots = self._data_parallel_roots(module)
-            units = sharding_units(module)
-            for root in self._roots:
-                parallelize_part(self, module, root, [unit for unit in units if contains_module(root, unit)])
         return module
 
     def _data_parallel_roots(self, module: LightningModule) -> list[nn.Module]:

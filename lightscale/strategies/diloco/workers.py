@@ -1,0 +1,89 @@
+"""What a DiLoCo worker is: the inner strategy its ranks run (a name or any object answering
+:class:`~lightscale.strategies.inner.InnerStrategy`), how workers divide the ranks, and what that holds in memory.
+
+Example:
+    >>> worker_dims(8, 2)  # two workers of four ranks each
+    ParallelDims(world_size=8, dp_replicate=2, dp_shard=4, ...)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lightscale.errors import ConfigurationError
+from lightscale.estimate.memory_layout import Layout
+from lightscale.optim.rule import ParameterView
+from lightscale.parallel.activation_checkpoint import ACMode
+from lightscale.parallel.mesh import ParallelDims
+from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.inner import InnerStrategy
+
+# inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
+INNER_CLASSES: dict[str, type[BucketedDDPStrategy] | type[FSDP2Strategy]] = {
+    cls.default_name(): cls for cls in (BucketedDDPStrategy, FSDP2Strategy)
+}
+INNERS: tuple[str, ...] = tuple(INNER_CLASSES)
+DEFAULT_INNER = BucketedDDPStrategy.default_name()
+Inner = Literal[INNERS]  # type: ignore[valid-type]  # the names, for jsonargparse
+
+
+def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
+    """The inner strategy object: a name builds it with its defaults; an object satisfying
+    :class:`~lightscale.strategies.inner.InnerStrategy` is used as given (its own settings: bucket sizes, bf16 or
+    PowerSGD gradients, FSDP2's reduce dtype), after refusing the settings it says cannot nest."""
+    if isinstance(inner, str) and inner in INNER_CLASSES:
+        return INNER_CLASSES[inner]()
+    if isinstance(inner, str) or not isinstance(inner, InnerStrategy):
+        raise ConfigurationError(
+            f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a strategy "
+            "object that answers lightscale.strategies.inner.InnerStrategy (BucketedDDPStrategy, FSDP2Strategy; "
+            "engines that own the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
+        )
+    inner.check_inner_settings()
+    return inner
+
+
+def shards_parameters(inner: Inner | InnerStrategy) -> bool:
+    """Whether the worker's ranks each hold a shard, asked of the class for a name (no instance built)."""
+    return (INNER_CLASSES[inner] if isinstance(inner, str) else inner).shards_parameters
+
+
+def inner_parameter_view(inner: Inner | InnerStrategy) -> ParameterView:
+    """How the worker's optimizer sees parameters, asked of the class for a name (no instance built)."""
+    return INNER_CLASSES[inner].parameter_view if isinstance(inner, str) else inner.optimizer_parameter_view()
+
+
+def worker_dims(world_size: int, workers: int) -> ParallelDims:
+    """``workers`` replicas (``dp_replicate``) of a worker's ranks (``dp_shard``); refused where they do not divide."""
+    if world_size % workers:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigurationError(
+            f"workers={workers} does not divide the world size {world_size}: every worker needs the same number "
+            f"of ranks. Choose workers from {valid}."
+        )
+    return ParallelDims(world_size=world_size, dp_replicate=workers, dp_shard=world_size // workers)
+
+
+def diloco_layout(name: str, dims: ParallelDims, sharded: bool, momentum: bool, compression: str, ac: ACMode) -> Layout:
+    """The inner layout inside a worker, plus the outer state split like the parameters (fp32 each): the global
+    copy, the outer momentum (``momentum``: diloco with momentum > 0) and the compression residual."""
+    outer = 4 + 4 * momentum + 4 * (compression != "none")
+    world_size = dims.world_size
+    return Layout(
+        name, world_size, shard_optimizer=sharded, shard_gradients=sharded, shard_parameters=sharded,
+        dp_shard=dims.dp_shard if sharded else 1, dp_replicate=dims.dp_replicate if sharded else world_size,
+        activation_checkpointing=ac, outer_state_bytes=outer,
+    )  # fmt: skip
+
+
+def check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:
+    """Refuse, at construction, a number of workers or an outer step that cannot run."""
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise ConfigurationError(f"workers={workers!r} is not valid; use a positive integer or None (one per node).")
+    if not (isinstance(outer_lr, int | float) and outer_lr > 0):
+        raise ConfigurationError(f"outer_lr={outer_lr!r} is not valid; it must be > 0 (None: the default for H).")
+    if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
+        raise ConfigurationError(
+            f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (None: the default for H)."
+        )
