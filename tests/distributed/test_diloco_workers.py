@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightscale.checkpoint.diloco_state import like_param
 from lightscale.errors import ConfigurationError
 from lightscale.strategies import DiLoCoStrategy
+from lightscale.strategies.diloco.checkpoint import global_model
 from lightscale.testing import run_distributed
 
 STEPS = 4
@@ -80,7 +81,14 @@ class Record(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
-        self.globals = {name: _full(t) for name, t in trainer.strategy._globals().items()}
+        self.globals = {name: _full(t) for name, t in _global_parameters(trainer).items()}
+
+
+def _global_parameters(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The fp32 global copies of the module's parameters (each name of a tied one), without its buffers."""
+    module = trainer.lightning_module
+    names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in global_model(module, trainer.strategy.outer).items() if name in names}
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,7 @@ class Snapshot(pl.Callback):
         momentum = [optimizer.state[g]["momentum_buffer"] for g in outer.fragments[0].globals]
         return {
             "locals": [_full(p) for p in module.parameters()], "step": outer.step,
-            "globals": [_full(t) for t in trainer.strategy._globals().values()],
+            "globals": [_full(t) for t in _global_parameters(trainer).values()],
             "momentum": [_full(like_param(outer.params[i], m)) for i, m in enumerate(momentum)],
             "rounds": None if trainer.strategy.ft is None else trainer.strategy.ft.rounds_committed,
         }  # fmt: skip
