@@ -119,7 +119,9 @@ def _launches(tmp_path: Path, min_replicas: int) -> Any:
     """A lighthouse in this process and a ``start(mode, replica)`` for launches; everything ends with the block."""
     from lightscale.parallel.diloco.lighthouse import start_lighthouse
 
-    server, address = start_lighthouse(min_replicas=min_replicas)
+    # A live replica is waited for up to 30 s (a loaded machine may hold it past the 2 s default); a killed one stops
+    # heartbeating and is dropped after 2 s all the same.
+    server, address = start_lighthouse(min_replicas=min_replicas, join_timeout_ms=30_000)
     port = int(address.rsplit(":", 1)[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     (tmp_path / "events").mkdir()
