@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from event_log import event_writer, read_events
+from event_log import event_writer, read_events, wait_for
+
+from lightscale.testing import free_port
 
 TEST_PATHS = (Path(__file__).parents[2], Path(__file__).parents[1])  # the project and tests/, for the replicas
 pytest.importorskip("torchft")
@@ -101,19 +102,6 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
     trainer.fit(Regression())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(predicate: Any, what: str, deadline: float) -> None:
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
 def _launches(tmp_path: Path, min_replicas: int) -> Any:
     """A lighthouse in this process and a ``start(mode, replica)`` for launches; everything ends with the block."""
@@ -130,7 +118,7 @@ def _launches(tmp_path: Path, min_replicas: int) -> Any:
     def start(mode: str, replica: int, wait_for: str = "") -> subprocess.Popen[bytes]:
         out = open(tmp_path / f"{mode}{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
         cmd = [sys.executable, __file__, mode, str(replica), str(tmp_path / "events"), str(port), wait_for]
-        launch_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        launch_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         procs.append(subprocess.Popen(cmd, env=launch_env, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # fmt: skip
         return procs[-1]
@@ -247,16 +235,16 @@ def test_a_killed_replica_rejoins_while_the_survivor_trains_on(tmp_path: Path) -
     with _launches(tmp_path, min_replicas=1) as start:
         survivor, killed, replacement = start("ft_kill", 0), start("ft_kill", 1), start("ft_kill", 1, "restart")
         ready = lambda: {e["pid"] for e in read_events(events) if e["event"] == "ready"}  # noqa: E731
-        _wait_for(lambda: {survivor.pid, killed.pid} <= ready(), "the first two replicas", deadline)
+        wait_for(lambda: {survivor.pid, killed.pid} <= ready(), "the first two replicas", deadline)
         (tmp_path / "go").touch()
-        _wait_for(lambda: steps(pid=killed.pid, step=KILL_AT), f"step {KILL_AT} of replica 1", deadline)
+        wait_for(lambda: steps(pid=killed.pid, step=KILL_AT), f"step {KILL_AT} of replica 1", deadline)
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
         killed_at = time.monotonic()
-        _wait_for(lambda: steps(pid=survivor.pid, participants=1), "a step of the survivor alone", deadline)
+        wait_for(lambda: steps(pid=survivor.pid, participants=1), "a step of the survivor alone", deadline)
         alone_at = time.monotonic()
         (tmp_path / "restart").touch()
-        _wait_for(lambda: steps(pid=replacement.pid), "the replacement's first step", deadline)
+        wait_for(lambda: steps(pid=replacement.pid), "the replacement's first step", deadline)
         rejoined_at = time.monotonic()
         _finish([survivor, replacement], tmp_path, deadline)
 
