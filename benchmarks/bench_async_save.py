@@ -1,7 +1,7 @@
 """Async save: how long one checkpoint save blocks the training loop, async ÷ synchronous, side by side in one run.
 
 The small GPT under fsdp2 (``lightscale.Trainer``), 2 forked gloo ranks, fp32 + AdamW (model and Adam moments are
-saved). Every ``--gap`` steps ``trainer.save_checkpoint`` runs, alternately synchronous (``checkpoint_writer``
+saved). Every ``--gap`` steps ``trainer.save_checkpoint`` runs, alternately synchronous (``checkpointer.writer``
 None) and async (an ``AsyncCheckpointWriter``), in ABBA order, into two directories. Blocked time: the wall time of
 the ``save_checkpoint`` call on rank 0. Before each save the previous async write is waited for outside the timed
 span (its remaining time is reported as "background"), so a save never pays for the one before; with saves further
@@ -61,7 +61,7 @@ class SaveTimer(pl.Callback):
         self.writer.wait()  # the previous async write: not part of this save's blocked time
         self.background.append(time.perf_counter() - start)
         mode = self.order[index]
-        trainer.strategy.checkpoint_writer = self.writer if mode == "async" else None
+        trainer.strategy.checkpointer.writer = self.writer if mode == "async" else None
         start = time.perf_counter()
         trainer.save_checkpoint(self.directory / f"{mode}.ckpt")
         self.blocked[mode].append(time.perf_counter() - start)

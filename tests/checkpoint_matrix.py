@@ -47,7 +47,7 @@ def torch_live_state(trainer: pl.Trainer) -> State:
     """This rank's view of the full model and optimizer state: DTensors gathered, pipeline stages its own only."""
     strategy = trainer.strategy
     options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    with strategy.checkpoint_module() as module:
+    with strategy.checkpointer.module() as module:
         model, optim = get_state_dict(module, strategy.optimizers, options=options)
     state = {f"model.{k}": v for k, v in model.items()} | {f"optimizer.{k}": v for k, v in optim.items()}
     return {k: _copy(v) for k, v in state.items()}
@@ -253,7 +253,7 @@ def zero_live_state(trainer: pl.Trainer) -> State:
         for key in keys:
             state[f"optimizer.state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu().clone()
         state |= {f"optimizer.state.{name}.{key}": value.clone() for key, value in scalars.items()}
-    for group, names in zip(zero.optimizer.param_groups, strategy._group_names, strict=True):
+    for group, names in zip(zero.optimizer.param_groups, strategy.group_names, strict=True):
         settings = {key: value for key, value in group.items() if key != "params" and not key.startswith("_")}
         state |= {
             f"optimizer.param_groups.{name}.{key}": _copy(value) for name in names for key, value in settings.items()

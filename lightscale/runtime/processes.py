@@ -2,8 +2,9 @@
 the process group (gloo on CPU, nccl on CUDA) with a collective timeout so a hang fails fast, the failure watcher
 that tells every rank when one raises, and the collectives Lightning calls (barrier, broadcast, reduce).
 
-:class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` adds checkpoints on top, and
-:class:`~lightscale.strategies.base.LightscaleStrategy` the model and the step.
+:class:`~lightscale.strategies.base.LightscaleStrategy` is the one class on it (the layout, the model, checkpoints
+through the Checkpointer it owns, the step). These stay apart from it because Lightning calls each on the strategy by
+name and none holds a lightscale decision: the plumbing under the base, not a layer of it.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _destroy_process_group() -> None:
 
 
 class ProcessStrategy(ParallelStrategy):
-    """Ranks, process group and collectives; ``timeout_s`` bounds every collective (seconds)."""
+    """Ranks, process group and collectives; ``timeout_s`` bounds every collective (seconds, ``self.timeout``)."""
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class ProcessStrategy(ParallelStrategy):
             )
         self._num_nodes = 1
         self._backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout_s)
+        self.timeout = timedelta(seconds=timeout_s)
         self._trace_prefix: str | None = None  # NCCL flight recorder files (rank appended), when one runs
 
     # ---- devices and processes ---------------------------------------------------------------------------
@@ -149,11 +150,11 @@ class ProcessStrategy(ParallelStrategy):
         exit_with_launcher()  # else a rank whose launcher died waits for the launcher's store until the timeout
         if not dist.is_initialized():
             self._trace_prefix = maybe_enable_flight_recorder(self.process_group_backend, self._run_dir())
-            store = restart_safe_store(self._timeout)
+            store = restart_safe_store(self.timeout)
             kwargs: dict[str, Any] = {"store": store} if store is not None else {}
             if self.root_device.type != "cpu":  # NCCL binds the group to this rank's device, as Lightning's ddp does
                 kwargs["device_id"] = self.root_device
-            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout, **kwargs)
+            _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self.timeout, **kwargs)
             # Destroyed at exit, not in teardown: Lightning calls on_fit_end and later fit()/test() after teardown.
             atexit.register(_destroy_process_group)
         watch_for_failures(self.global_rank)
@@ -202,7 +203,7 @@ class ProcessStrategy(ParallelStrategy):
         # _trainer: an error raised before fit attached the module (at launch) must not turn into "not attached".
         where = _phase(getattr(self.lightning_module, "_trainer", None), exception)
         if is_timeout(exception):
-            where += f"; a collective timed out after {self._timeout.total_seconds():.0f} s: a rank that did not arrive"
+            where += f"; a collective timed out after {self.timeout.total_seconds():.0f} s: a rank that did not arrive"
             where += " prints where it was"
             if self._trace_prefix is not None:
                 where += f"; NCCL flight recorder traces of every rank: {self._trace_prefix}<rank>"

@@ -1,24 +1,20 @@
-"""The base every lightscale strategy shares, on ``ProcessStrategy`` (runtime/processes.py: ranks, process group,
-timeout, failure watcher, collectives) and ``CheckpointingStrategy`` (strategies/checkpoint_hooks.py: portable layout).
+"""The base every lightscale strategy shares, read top to bottom. It stands on ``ProcessStrategy``
+(runtime/processes.py: Lightning's process interface: ranks, process group, timeout, failure watcher, collectives) and
+owns what it hands work to: its ``checkpointer`` (strategies/checkpointer.py: the portable layout), its
+``tensor_shards`` (strategies/shards.py: local shards, global shapes) and the precision plugin.
 
-What it owns: the parallel layout (:class:`ParallelDims`, a DeviceMesh on first use) with the data shard each rank
-reads (``lightscale.data_shard()``) and the check that ranks sharing one got the same batch, the precision and
-checkpoint plugins, applying parallelism from outside the model, the one setup template and step methods, teardown;
-what a class answers without an instance (memory, its names' parameter views) is strategies/class_answers.py's.
+Here, in order: what a class declares (names, precision family, memory layout, checkpoint formats); the parallel layout
+(:class:`ParallelDims`, a DeviceMesh on first use) with the data shard each rank reads and the check that ranks sharing
+one got the same batch; the one setup template; Lightning's checkpoint entry points; the step methods; teardown.
 
 What a subclass supplies (``setup`` and the four step methods are one template here; subclasses fill in hooks):
-    * ``parallel_dims()`` - the layout for this world size (default: all data parallel);
-    * ``configure_precision(plugin)`` - the precision plugin it runs with, checked against the precision contract;
-    * ``apply_parallelism(module)`` - wrap/shard/hook the single-device model for training;
-    * ``step_context(step)`` - entered around every step (loss parallelism, serving a pipeline);
-    * optionally, taking over the step: ``backward`` (a pipeline schedule has already run backward in
-      ``training_step``) and ``optimizer_step`` (an engine such as DeepSpeed's owns step and accumulation);
-    * ``aliases`` - the names it registers in Lightning's ``StrategyRegistry`` (and lightscale's list of classes)
-      when the class is defined, also in a user's own file;
-    * ``precision_rules`` - its part of the precision contract (a ``PrecisionRules``: how each precision is
-      realised, where its engine differs, what it refuses); ``plannable`` - which names ``fit_memory`` /
-      ``lightscale plan`` may choose; ``layout_for(world_size, **init_params)`` - how it holds the model, for the
-      estimator, from the class (no instance).
+    * ``parallel_dims()`` (default: all data parallel), ``configure_precision(plugin)`` (checked against the precision
+      contract), ``apply_parallelism(module)`` (wrap/shard/hook the single-device model), ``step_context(step)``;
+    * optionally ``backward`` (a pipeline schedule ran it in ``training_step``) and ``optimizer_step`` (an engine such
+      as DeepSpeed's owns step and accumulation); ``checkpointer_class`` and ``tensor_shards`` where its checkpoints or
+      its tensors differ from the portable layout's and torch's defaults (ZeRO, DiLoCo, bucketed_ddp, parallel_3d);
+    * class data: ``aliases`` (registered in Lightning's ``StrategyRegistry`` when the class is defined, also in a
+      user's file), ``precision_rules``, ``plannable``, ``layout_for(world_size, **init_params)`` (no instance).
 See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
 """
 
@@ -34,7 +30,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -52,30 +47,22 @@ from lightscale.optim.rule import ParameterView, check_optimizers
 from lightscale.parallel.fsdp import reset_interrupted_roots
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
-from lightscale.plugins.precision_contract import PrecisionRules, declare_family
-from lightscale.runtime.processes import DEFAULT_TIMEOUT_S
-from lightscale.strategies.checkpoint_hooks import CheckpointingStrategy
-from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view
-from lightscale.strategies.registry import REGISTERED, patch_lightning
-from lightscale.strategies.weight_averaging import (
-    adopt_weight_averaging,
-    local_shards,
-    refuse_stochastic_weight_averaging,
-)
-
-# What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
-SEVERAL_OPTIMIZERS = (
-    "Several optimizers (e.g. manual optimization of a GAN) run under BucketedDDPStrategy(find_unused_parameters=True) "
-    "or an FSDP2 name (fsdp2, hsdp, parallel_3d; tested equal to one process); or use one optimizer with a parameter "
-    "group per part of the model."
-)
+from lightscale.plugins.precision_contract import PrecisionRules
+from lightscale.runtime.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
+from lightscale.storage.safe_io import SafeCheckpointIO
+from lightscale.strategies.checkpointer import Checkpointer, refuse_former_checkpoint_methods
+from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view, no_layout
+from lightscale.strategies.registry import patch_lightning, register_class
+from lightscale.strategies.shards import TensorShards
+from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
+from lightscale.strategies.weight_averaging import refuse_stochastic_weight_averaging as refuse_swa
 
 
-class LightscaleStrategy(CheckpointingStrategy):
+class LightscaleStrategy(ProcessStrategy):
     """Base of lightscale strategies. Subclasses register ``aliases``: name -> (description, init kwargs).
 
-    ``async_save=True`` and ``checkpoint_format``: see
-    :class:`~lightscale.strategies.checkpoint_hooks.CheckpointingStrategy` (checkpoints in the portable layout).
+    ``timeout_s`` bounds every collective (seconds). ``checkpoint_format`` (one of ``checkpoint_formats``) and
+    ``async_save=True`` (write in the background): see :class:`~lightscale.strategies.checkpointer.Checkpointer`.
 
     ``check_batches_every``: ranks that share a data shard (tensor, context or pipeline parallel) must train on the
     same batch; their batches are compared at the first training step and every that many steps after
@@ -90,17 +77,23 @@ class LightscaleStrategy(CheckpointingStrategy):
     memory_alternatives: ClassVar[tuple[tuple[str, str | None], ...]] = ()
     # How its optimizer sees parameters: which shape-dependent optimizers run exactly (lightscale/optim/rule.py).
     parameter_view: ClassVar[ParameterView] = "whole"
+    # What ``checkpoint_format`` may name (the first is the default): "dcp" the portable layout, "file" Lightning's
+    # single file (rank 0 writes it: whole parameters on every rank only), "deepspeed" DeepSpeed's own directory;
+    # whether a single file (whole tensors, optimizer state by index) loads: into an unsharded model only.
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    reads_single_files: ClassVar[bool] = True
+    # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
+    # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
+    weights_settable_after_setup: ClassVar[bool] = True
+    checkpointer_class: ClassVar[type[Checkpointer]] = Checkpointer  # what ``self.checkpointer`` is
+    tensor_shards: ClassVar[TensorShards] = TensorShards()  # its answers about the tensors it holds (shards.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
         super().__init_subclass__(**kwargs)
+        refuse_former_checkpoint_methods(cls)  # a subclass written for the former checkpoint base class
         if cls.__dict__.get("aliases"):
-            if cls.precision_rules is not None:
-                declare_family(cls.precision_rules)
-            own = set(cls.__dict__["aliases"])
-            REGISTERED[:] = [known for known in REGISTERED if not own & set(known.__dict__["aliases"])]
-            REGISTERED.append(cls)
-            cls.register_strategies(StrategyRegistry)
+            register_class(cls)
 
     def memory_layout(self, world_size: int) -> Layout:
         """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""
@@ -110,9 +103,7 @@ class LightscaleStrategy(CheckpointingStrategy):
     def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         """How a strategy built with ``init_params`` would hold the model (estimator, planner), from the class and
         the parameters (``init_arguments``): no instance, so no patch installed nor engine needed. Each family says."""
-        own = LightscaleStrategy.layout_for.__func__  # type: ignore[attr-defined]
-        described = [known.__name__ for known in REGISTERED if known.layout_for.__func__ is not own]
-        raise ConfigurationError(f"No memory layout for {cls.__name__}; lightscale estimates {', '.join(described)}.")
+        raise no_layout(cls, LightscaleStrategy.layout_for.__func__)  # type: ignore[attr-defined]
 
     @classmethod
     def default_name(cls) -> str:
@@ -143,20 +134,19 @@ class LightscaleStrategy(CheckpointingStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io or SafeCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout_s=timeout_s,
-            checkpoint_format=checkpoint_format,
-            async_save=async_save,
         )
+        self.checkpointer = self.checkpointer_class(self, checkpoint_format=checkpoint_format, async_save=async_save)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule among them makes steps go through it
         self.check_batches_every = check_batches_every
         self._batch_agreement: BatchAgreement | None = None  # with the layout, at setup_environment
 
-    # ---- layout -------------------------------------------------------------------------------------------
+    # ---- layout ---------------------------------------------------------------------------------------------
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of this strategy for ``world_size`` ranks; the default is pure data parallelism."""
         return ParallelDims(world_size=world_size, dp_replicate=-1)
@@ -191,17 +181,12 @@ class LightscaleStrategy(CheckpointingStrategy):
         seeded by the data shard, so ranks sharing one draw the same augmentations; a stateful stream saves the
         position of the batches trained (data/loader_position.py)."""
         trainer = self.lightning_module.trainer
-        kwargs = self.distributed_sampler_kwargs
-        loader = exactly_once_loader(
-            dataloader,
-            **kwargs,
-            training=trainer.training,
-            drop_remainder=trainer.training and not self.trains_short_batches,
-            position=position_in_epoch(trainer),
-        )
+        kwargs, training = self.distributed_sampler_kwargs, trainer.training
+        drop, position = training and not self.trains_short_batches, position_in_epoch(trainer)
+        loader = exactly_once_loader(dataloader, **kwargs, training=training, drop_remainder=drop, position=position)
         seed_workers_by_data_shard(loader, kwargs["rank"])
         # A stream's saved position: the batches trained, not Lightning's look-ahead (data/loader_position.py).
-        return maybe_track_trained_position(loader, training=trainer.training)
+        return maybe_track_trained_position(loader, training=training)
 
     @property
     def runs_stochastic_weight_averaging(self) -> bool:
@@ -217,13 +202,12 @@ class LightscaleStrategy(CheckpointingStrategy):
     def check_before_launch(self, trainer: Trainer) -> None:
         """Refuse settings that only the Trainer knows (clipping, precision, where checkpoints go), before any rank
         starts or connects."""
-        self.check_checkpoint_locations(trainer)
+        self.checkpointer.check_locations(trainer)
 
     @override
     def set_world_ranks(self) -> None:
-        """Ranks, then this rank's data shard published for ``lightscale.data_shard()`` (and every DataLoader worker,
-        which inherits it): the Trainer's constructor calls this, so a dataset built between ``Trainer(...)`` and
-        ``fit`` reads its shard too; ``setup_environment`` calls it again."""
+        """Ranks, then this rank's data shard published for ``lightscale.data_shard()`` (and DataLoader workers): the
+        Trainer's constructor calls this, so a dataset built before ``fit`` reads its shard too."""
         super().set_world_ranks()
         with suppress(ConfigurationError):  # a layout that does not fit is refused by setup_environment
             shard = self.data_shard_of(self.parallel_dims(self.world_size))
@@ -237,12 +221,10 @@ class LightscaleStrategy(CheckpointingStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:  # a user's DataLoader subclass re-created twice: Lightning's sampler, then ours
             recreated_loaders_keep_their_arguments(trainer)
-            refuse_stochastic_weight_averaging(
-                trainer, type(self).__name__, runs_it=self.runs_stochastic_weight_averaging
-            )
-        for callback in trainer.checkpoint_callbacks if trainer is not None else []:
-            if getattr(callback, "dirpath", None):  # given explicitly (else resolved later: checked at first save)
-                self.check_checkpoint_dir(callback.dirpath)
+            runs_it = self.runs_stochastic_weight_averaging
+            refuse_swa(trainer, type(self).__name__, runs_it=runs_it)
+        if trainer is not None:
+            self.checkpointer.check_callback_dirs(trainer)
 
     # ---- the model ---------------------------------------------------------------------------------------
     @override
@@ -271,9 +253,26 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     def local_shards(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The pieces of ``module``'s (default: the LightningModule's) parameters and buffers this rank holds, by name:
-        writable aliases of the live weights (DTensor local tensors, ZeRO-3 partitions), for elementwise work such as
-        an EMA (lightscale/strategies/weight_averaging.py)."""
-        return local_shards(module if module is not None else self.lightning_module, self)
+        writable aliases of the live weights, for elementwise work such as an EMA (strategies/weight_averaging.py)."""
+        return local_shards(module if module is not None else self.lightning_module, self.tensor_shards)
+
+    # ---- checkpoints: Lightning's entry points, handed to the Checkpointer (strategies/checkpointer.py) ------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the layout loads into the parallelized model and its optimizers, which setup creates
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.checkpointer.save(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpointer.load(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self.checkpointer.load_model_state_dict(checkpoint, strict=strict)
 
     # ---- optimizers ----------------------------------------------------------------------------------------
     @classmethod
@@ -288,9 +287,8 @@ class LightscaleStrategy(CheckpointingStrategy):
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Refuse an optimizer whose step reads a parameter's shape where this strategy would change its math
         (lightscale/optim/rule.py); the error names the strategy names under which it runs exactly."""
-        check_optimizers(
-            optimizers, view=self.optimizer_parameter_view(), strategy=type(self).__name__, names_by_view=names_by_view
-        )
+        view = self.optimizer_parameter_view()
+        check_optimizers(optimizers, view=view, strategy=type(self).__name__, names_by_view=names_by_view)
 
     def configure_precision(self, plugin: Precision) -> Precision:
         """The precision plugin this strategy runs with (checked against its column of the precision contract)."""
@@ -352,8 +350,11 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # the random states a checkpoint saved (checkpointing.py)
-        if self._batch_agreement is not None:  # collective on checked steps: the batch as the step will get it
+        """The first batch after a load draws from the saved random states; ranks sharing a data shard compare the
+        batch on checked steps (collective)."""
+        self.checkpointer.restore_random_states()
+        super().on_train_batch_start(batch, batch_idx)
+        if self._batch_agreement is not None:
             self._batch_agreement.maybe_check(batch, device=self.root_device)
 
     # ---- registry and teardown -----------------------------------------------------------------------------
@@ -365,8 +366,7 @@ class LightscaleStrategy(CheckpointingStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.checkpoint_writer is not None:
-            self.checkpoint_writer.wait()  # the last save of fit is published before fit returns
+        self.checkpointer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
             trainer = lightning_module._trainer

@@ -31,11 +31,50 @@ from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.fault_tolerant_step import (
     FaultTolerantReplica,
     fault_tolerance_of,
     replica_data_shard,
 )
+
+
+class BucketedDDPCheckpointer(Checkpointer):
+    """The portable layout, with every rank's PowerSGD state and the fault-tolerance state beside the random states."""
+
+    strategy: BucketedDDPStrategy
+
+    @override
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Adds every rank's PowerSGD state (step, Qs, its own residuals) next to the random states (collective)."""
+        state = super().trainer_state(checkpoint)
+        strategy = self.strategy
+        powersgd = strategy.reducer.powersgd if strategy.reducer is not None else None
+        if powersgd is not None:
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, powersgd.state_dict())
+            state["lightscale"]["powersgd"] = states
+        if strategy.ft is not None:
+            state["lightscale"]["fault_tolerance"] = strategy.ft.checkpoint_state()
+        return state
+
+    @override
+    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
+        super().restore_extras(meta, fitting=fitting)
+        strategy = self.strategy
+        if strategy.ft is not None and fitting:
+            strategy.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
+        powersgd = strategy.reducer.powersgd if strategy.reducer is not None else None
+        states = meta.get("lightscale", {}).get("powersgd")
+        if fitting and powersgd is not None and states:
+            world_size = strategy.world_size
+            same_world = len(states) == world_size
+            if not same_world:
+                rank_zero_warn(
+                    f"The checkpoint holds PowerSGD residuals of {len(states)} ranks and this run has "
+                    f"{world_size}: step count and Qs are restored, the error-feedback residuals start at zero."
+                )
+            powersgd.load_state_dict(states[strategy.global_rank if same_world else 0], residuals=same_world)
 
 
 class BucketedDDPStrategy(LightscaleStrategy):
@@ -68,6 +107,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         compressions={"powersgd": "bucketed_ddp_powersgd"},
     )
     checkpoint_formats = ("dcp", "file")  # whole parameters on every rank: Lightning's single file too
+    checkpointer_class = BucketedDDPCheckpointer
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
@@ -212,35 +252,6 @@ class BucketedDDPStrategy(LightscaleStrategy):
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
-
-    @override
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Adds every rank's PowerSGD state (step, Qs, its own residuals) next to the random states (collective)."""
-        state = super().trainer_state(checkpoint)
-        powersgd = self.reducer.powersgd if self.reducer is not None else None
-        if powersgd is not None:
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, powersgd.state_dict())
-            state["lightscale"]["powersgd"] = states
-        if self.ft is not None:
-            state["lightscale"]["fault_tolerance"] = self.ft.checkpoint_state()
-        return state
-
-    @override
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        super().restore_extras(meta, fitting=fitting)
-        if self.ft is not None and fitting:
-            self.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
-        powersgd = self.reducer.powersgd if self.reducer is not None else None
-        states = meta.get("lightscale", {}).get("powersgd")
-        if fitting and powersgd is not None and states:
-            same_world = len(states) == self.world_size
-            if not same_world:
-                rank_zero_warn(
-                    f"The checkpoint holds PowerSGD residuals of {len(states)} ranks and this run has "
-                    f"{self.world_size}: step count and Qs are restored, the error-feedback residuals start at zero."
-                )
-            powersgd.load_state_dict(states[self.global_rank if same_world else 0], residuals=same_world)
 
     @override
     def teardown(self) -> None:

@@ -1,6 +1,7 @@
 """What the strategy classes answer without an instance: a class's keyword arguments as a construction would see
-them (for ``layout_for``), every registered name's parameter view (for the optimizer rule's error), and the checkpoint
-formats a class writes. No strategy is built here, so nothing is patched or started.
+them (for ``layout_for``), every registered name's parameter view (for the optimizer rule's error), the checkpoint
+formats a class writes, and what the one-optimizer strategies propose instead. No strategy is built here, so nothing
+is patched or started.
 
 Example:
     >>> init_arguments(FSDP2Strategy, {"dp_replicate": 2})["dp_shard"]
@@ -15,6 +16,13 @@ from typing import Any
 from lightscale.errors import ConfigurationError
 from lightscale.optim.rule import ParameterView
 from lightscale.strategies.registry import REGISTERED
+
+# What the strategies that take one optimizer (ZeRO, DiLoCo) name instead, when configure_optimizers returns several.
+SEVERAL_OPTIMIZERS = (
+    "Several optimizers (e.g. manual optimization of a GAN) run under BucketedDDPStrategy(find_unused_parameters=True) "
+    "or an FSDP2 name (fsdp2, hsdp, parallel_3d; tested equal to one process); or use one optimizer with a parameter "
+    "group per part of the model."
+)
 
 
 def init_arguments(cls: type, init_params: dict[str, Any]) -> dict[str, Any]:
@@ -47,3 +55,9 @@ def check_checkpoint_format(cls: type[Any], checkpoint_format: str) -> None:
         f"{list(cls.checkpoint_formats)}. 'file' (Lightning's single file, written by rank 0) needs whole parameters "
         f"on every rank: {', '.join(with_file)}. Any checkpoint becomes one file with `lightscale consolidate`."
     )
+
+
+def no_layout(cls: type[Any], default: Any) -> ConfigurationError:
+    """The error of a class with no memory layout (``layout_for`` is ``default``), naming the classes that have one."""
+    described = [known.__name__ for known in REGISTERED if known.layout_for.__func__ is not default]
+    return ConfigurationError(f"No memory layout for {cls.__name__}; lightscale estimates {', '.join(described)}.")

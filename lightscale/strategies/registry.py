@@ -24,7 +24,7 @@ from lightscale.checkpoint.lightning_load import install_lightning_loading
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.plan import Plannable
 from lightscale.patches.lightning import check_strategy_names
-from lightscale.plugins.precision_contract import PrecisionRules
+from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 
 if TYPE_CHECKING:  # the classes register into this module; it never imports them
     from lightscale.strategies.base import LightscaleStrategy
@@ -96,6 +96,18 @@ def check_strategy(strategy: str | Strategy) -> None:
         f"Unknown strategy {strategy!r}.{hint} lightscale strategies: {', '.join(ours)}. "
         f"Lightning strategies: auto, {', '.join(theirs)}. Run `lightscale strategies` for descriptions."
     )
+
+
+def register_class(cls: type[LightscaleStrategy]) -> None:
+    """``cls`` declares ``aliases`` in its own body (``LightscaleStrategy.__init_subclass__``, a user's file too): its
+    precision family, its place in :data:`REGISTERED` (in place of a class with the same names), its names in
+    Lightning's ``StrategyRegistry``."""
+    if cls.precision_rules is not None:
+        declare_family(cls.precision_rules)
+    own = set(cls.__dict__["aliases"])
+    REGISTERED[:] = [known for known in REGISTERED if not own & set(known.__dict__["aliases"])]
+    REGISTERED.append(cls)
+    cls.register_strategies(StrategyRegistry)
 
 
 def register_strategies() -> None:

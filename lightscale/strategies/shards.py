@@ -2,10 +2,10 @@
 checkpoint code ask instead of reading an engine's own attributes.
 
 :class:`TensorShards` gives the answers for tensors torch describes itself: a DTensor (FSDP2, tensor parallel) knows
-its global shape and its local tensor, a plain tensor is whole. Every lightscale strategy is one
-(lightscale/strategies/base.py); an engine that keeps parameters its own way answers next to the engine (ZeRO:
-lightscale/strategies/zero.py, from lightscale/zero/). A strategy that is not lightscale's (Lightning's own ``ddp``)
-gets these defaults through :func:`shards_of`.
+its global shape and its local tensor, a plain tensor is whole. Every lightscale strategy owns one as its
+``tensor_shards`` (lightscale/strategies/base.py); an engine that keeps parameters its own way names a subclass next to
+the engine (ZeRO: lightscale/strategies/zero_shards.py, from lightscale/zero/). A strategy that is not lightscale's
+(Lightning's own ``ddp``) gets these defaults through :func:`shards_of`.
 
 Example:
     >>> rules = shards_of(trainer.strategy)
@@ -26,7 +26,8 @@ from torch.nn.parameter import UninitializedParameter
 
 
 class TensorShards:
-    """The answers a strategy gives about its tensors; subclasses override where their engine differs."""
+    """The answers a strategy gives about its tensors (stateless: one object serves every instance of a class);
+    subclasses override where their engine differs."""
 
     def local_shard(self, tensor: Tensor) -> Tensor:
         """The one local-shard rule: the piece of ``tensor`` this rank holds, a writable alias (a DTensor's local
@@ -78,4 +79,5 @@ class TensorShards:
 
 def shards_of(strategy: object) -> TensorShards:
     """The strategy's answers, or the defaults for a strategy that is not lightscale's (or none)."""
-    return strategy if isinstance(strategy, TensorShards) else TensorShards()
+    answers = getattr(strategy, "tensor_shards", None)
+    return answers if isinstance(answers, TensorShards) else TensorShards()

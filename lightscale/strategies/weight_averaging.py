@@ -47,10 +47,11 @@ from lightscale.checkpoint.portable import read_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.patches.lightning import give_weight_averaging, weight_averaging_settings
 from lightscale.runtime.collectives import all_gather_single
+from lightscale.strategies.shards import shards_of
 
 
 class HoldsShards(Protocol):
-    """What the average asks of the strategy (lightscale/strategies/shards.py; ZeRO answers in strategies/zero.py)."""
+    """What the average asks of the strategy's ``tensor_shards`` (strategies/shards.py; ZeRO: zero_shards.py)."""
 
     def local_shard(self, tensor: Tensor) -> Tensor: ...
 
@@ -235,7 +236,7 @@ def adopt_weight_averaging(trainer: Trainer, module: LightningModule) -> None:
         if settings is None:
             continue
         use_buffers, kwargs = settings
-        average = ShardAverage(module, trainer.strategy, use_buffers=use_buffers, **kwargs)
+        average = ShardAverage(module, shards_of(trainer.strategy), use_buffers=use_buffers, **kwargs)
         # Lightning's four methods zip ``pl_module.parameters()`` (sharded placeholders) with the average; these zip
         # the local shards instead. See the module docstring and lightscale/patches/lightning.py.
         give_weight_averaging(

@@ -5,7 +5,7 @@ Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy.
 optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
 boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging. This class is
 the Lightning-facing side: DeepSpeed is started through lightscale/zero/build.py, the shard answers are
-strategies/zero_shards.py's.
+strategies/zero_shards.py's, its checkpoints strategies/zero_checkpointer.py's.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
-from lightscale.checkpoint.load_into_zero import load_zero_state_dict
-from lightscale.checkpoint.portable import AVERAGED, lightning_rest, with_average, write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
@@ -40,9 +38,10 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
     refuse_impossible,
 )
-from lightscale.storage.atomic_dir import complete_checkpoint
-from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
-from lightscale.strategies.weight_averaging import adopt_weight_averaging, drop_average
+from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS
+from lightscale.strategies.weight_averaging import adopt_weight_averaging
+from lightscale.strategies.zero_checkpointer import ZeroCheckpointer
 from lightscale.strategies.zero_shards import ZeroShards
 from lightscale.zero.build import (
     construction_config,
@@ -55,7 +54,6 @@ from lightscale.zero.build import (
     run_options,
     start_engine,
 )
-from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, load_engine_directory, save_engine_directory
 from lightscale.zero.config import (
     ZeroOptions,
     check_clipping,
@@ -73,13 +71,13 @@ from lightscale.zero.engine import (
     refuse_moe,
     require_deepspeed,
 )
-from lightscale.zero.portable_save import group_parameter_names, zero_optimizer, zero_state_dict
+from lightscale.zero.portable_save import group_parameter_names
 from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
 
-class ZeroStrategy(ZeroShards, LightscaleStrategy):
+class ZeroStrategy(LightscaleStrategy):
     """ZeRO data parallelism on DeepSpeed: shard optimizer state (stage 1), gradients (2) and parameters (3).
 
     Args:
@@ -127,6 +125,7 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
+    tensor_shards = ZeroShards()  # a ZeRO-3 parameter is DeepSpeed's partition (strategies/zero_shards.py)
     parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py): see parameter_view_for
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),
@@ -183,7 +182,7 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
         super().__init__(checkpoint_format=checkpoint_format, **kwargs)
         check_compression(compression, self.precision_rules)
         self.compression = compression
-        self._group_names: list[list[str]] = []
+        self.group_names: list[list[str]] = []
         zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
         nvme = None if nvme_path == "auto" else nvme_path
         self.options = ZeroOptions(stage, offload_optimizer, offload_params, nvme, zeropp=zeropp)
@@ -290,7 +289,7 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
         self.check_optimizers([optimizer])  # shape-dependent optimizers: exact (Muon at stage 1/2) or refused
         check_zero_optimizer(optimizer)
         optimizer = exact_optimizer(optimizer, self.optimizer_parameter_view())  # torch's Muon: FlatMuon
-        self._group_names = group_parameter_names(module, optimizer)
+        self.group_names = group_parameter_names(module, optimizer)
         if self.options.offload_optimizer:
             optimizer = host_optimizer(optimizer, self.user_config)
         return optimizer, schedulers[0] if schedulers else None
@@ -320,8 +319,9 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
     def model_to_device(self) -> None:
         pass  # the engine places (or offloads) parameters itself
 
-    # ---- checkpoints ------------------------------------------------------------------------------------
+    # ---- checkpoints: the engine's state, saved and loaded by its ZeroCheckpointer ------------------------
     weights_settable_after_setup = False  # the engine builds its fp32 masters from the weights at setup
+    checkpointer_class = ZeroCheckpointer
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -330,41 +330,6 @@ class ZeroStrategy(ZeroShards, LightscaleStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
-        target = self.checkpoint_location(filepath)  # a local path or an fsspec URL
-        self.check_checkpoint_dir(target.parent)  # multi-node: refuse a directory not every node shares
-        if self.checkpoint_format == "deepspeed":
-            drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
-            save_engine_directory(self.engine, target, lightning_rest(checkpoint))
-            return
-        rest = self.trainer_state(checkpoint)
-        state = zero_state_dict(self.engine, self.lightning_module, self._group_names)
-        state.update(with_average(checkpoint.get(AVERAGED)))
-        write_checkpoint(target, state, rest, self.checkpoint_io.save_checkpoint)
-
-    @override
-    def saved_optimizers(self) -> list[dict[str, Any]] | None:
-        """The user's optimizer (DeepSpeed's inner one) and its groups' names, recorded before DeepSpeed flattened
-        them."""
-        zero = zero_optimizer(self.engine) if self.optimizers else None
-        return [] if zero is None else [{"class": type(zero.optimizer).__name__, "groups": self._group_names}]
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path = complete_checkpoint(self.checkpoint_location(checkpoint_path))
-        if (path / CHECKPOINT_TAG).is_dir():
-            return load_engine_directory(self.engine, path, fitting=fitting)
-        read = load_zero_state_dict(path, self.engine, self.lightning_module, self._group_names, optimizer=fitting)
-        return self.read_trainer_state(read, fitting=fitting)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded by the engine in load_checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

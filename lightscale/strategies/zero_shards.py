@@ -28,7 +28,8 @@ from lightscale.zero.partition import (
 
 
 class ZeroShards(TensorShards):
-    """TensorShards for DeepSpeed's partitions; :class:`~lightscale.strategies.zero.ZeroStrategy` is one."""
+    """TensorShards for DeepSpeed's partitions (:class:`~lightscale.strategies.zero.ZeroStrategy`'s
+    ``tensor_shards``)."""
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from lightscale.layers.moe import MoEConfig
 from lightscale.recipes.gpt import GPTDataModule, GPTModule
 from lightscale.strategies import ZeroStrategy
 from lightscale.strategies.shards import TensorShards
+from lightscale.strategies.zero_shards import ZeroShards
 from lightscale.testing import run_distributed
 
 FOUR_RANKS = {"tp2_pp2", "ep2_pp2", "ep2_tp2", "cp2_tp2"}
@@ -100,7 +101,7 @@ class CheckRule(pl.Callback):
     @torch.no_grad()
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.should_stop = True  # the checks need the strategy's setup only, not a step
-        rules = trainer.strategy
+        rules = trainer.strategy.tensor_shards
         assert isinstance(rules, TensorShards)
         params = [(name, p) for name, p in pl_module.named_parameters() if name in self.expected]
         self._check(rules, params, self.expected, "as set up")
@@ -180,11 +181,15 @@ def test_local_shard_rule_under_every_name(name: str, corpus_cache: str, tmp_pat
         assert all(result["checked"] == 2 * result["expected"] for result in results)
 
 
-class WholeZero3(ZeroStrategy):
-    """The planted error: zero3 answering a parameter's local shard with the parameter itself."""
+class WholeShards(ZeroShards):
+    """The planted error: ZeRO-3's answers giving a parameter's local shard as the parameter itself."""
 
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         return TensorShards.local_shard(self, tensor)
+
+
+class WholeZero3(ZeroStrategy):
+    tensor_shards = WholeShards()
 
 
 def test_a_planted_wrong_rule_fails(corpus_cache: str, tmp_path: Any) -> None:

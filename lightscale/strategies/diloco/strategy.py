@@ -44,10 +44,10 @@ from lightscale.parallel.diloco import (
 from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
+from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
-from lightscale.strategies.class_answers import init_arguments
-from lightscale.strategies.diloco.checkpoint import check_file_format, load_diloco_checkpoint, save_diloco_checkpoint
+from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS, init_arguments
+from lightscale.strategies.diloco.checkpoint import DiLoCoCheckpointer, check_file_format
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
     join_first_quorum,
@@ -66,7 +66,6 @@ from lightscale.strategies.diloco.workers import (
     worker_dims,
 )
 from lightscale.strategies.inner import InnerStrategy
-from lightscale.strategies.weight_averaging import drop_average
 
 
 class DiLoCoStrategy(LightscaleStrategy):
@@ -117,6 +116,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     parameter_view = "whole"  # the default inner's; inner="fsdp2" steps DTensor shards (parameter_view_for)
     reads_single_files = False
     checkpoint_formats = ("dcp", "file")  # "file": the global model (inner="bucketed_ddp": whole on every rank)
+    checkpointer_class = DiLoCoCheckpointer  # the workers' own state and the outer state beside the global model
 
     @classmethod
     @override
@@ -160,7 +160,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_settings(workers, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
         inner = inner_strategy(inner)
-        check_file_format(self.checkpoint_format, sharded=inner.shards_parameters)
+        check_file_format(self.checkpointer.format, sharded=inner.shards_parameters)
         self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
         check_synchronous_steps(synchronous_steps, fault_tolerant=self.fault_tolerance is not None)
@@ -343,30 +343,6 @@ class DiLoCoStrategy(LightscaleStrategy):
             locals_back(self.outer, self._kept_locals)
             self._kept_locals = None
         super().on_validation_end()
-
-    # ---- checkpoints -------------------------------------------------------------------------------------
-    @override
-    def saved_optimizers(self) -> list[dict[str, Any]] | None:
-        """None while training: each worker's inner state is its own (``diloco.*``), no ``optimizer.*`` entries."""
-        return super().saved_optimizers() if self.outer is None else None
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
-        if self.outer is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.checkpoint_location(filepath)  # a local path or an fsspec URL
-        save_diloco_checkpoint(self, self.outer, checkpoint, path)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume: at the saved workers and shards, exactly (globals, each worker's own state, the outer state); at
-        others, every worker restarts from the global model with the outer state (a fresh inner optimizer). A
-        checkpoint without DiLoCo state loads its model like any layout's (evaluation, another strategy's)."""
-        path = self.checkpoint_location(checkpoint_path)
-        if self.outer is None:
-            return super().load_checkpoint(path, weights_only)
-        return load_diloco_checkpoint(self, self.outer, path)
 
     @override
     def teardown(self) -> None:

@@ -59,6 +59,7 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
+from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
@@ -73,6 +74,18 @@ from lightscale.strategies.parallel_3d.model import (
     share_trained_stages,
 )
 from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule, SplittableBatches
+
+
+class StagesCheckpointer(Checkpointer):
+    """Checkpoints hold what this rank trains: its pipeline stages, under the whole model's names."""
+
+    strategy: Parallel3DStrategy
+
+    @contextmanager
+    @override
+    def module(self) -> Iterator[nn.Module]:
+        pipelined = self.strategy.pipelined
+        yield pipelined.checkpoint_view if pipelined is not None else self.strategy.lightning_module
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -161,6 +174,7 @@ class Parallel3DStrategy(LightscaleStrategy):
         return parallel_3d_layout(cls.__name__, world_size, init_arguments(cls, init_params))
 
     reads_single_files = False
+    checkpointer_class = StagesCheckpointer  # the portable layout of this rank's stages
 
     def __init__(
         self,
@@ -347,13 +361,6 @@ class Parallel3DStrategy(LightscaleStrategy):
         return parallel_3d_precision_plugin(
             name, self.root_device.type, fsdp_casts=self.shards_data_parallel, pp_group=pp_group, given=plugin
         )
-
-    # ---- checkpoints: the portable layout, written and read by LightscaleStrategy --------------------------------
-    @contextmanager
-    @override
-    def checkpoint_module(self) -> Iterator[nn.Module]:
-        """Checkpoints hold what this rank trains: its stages, under the whole model's names."""
-        yield self.pipelined.checkpoint_view if self.pipelined is not None else self.lightning_module
 
     @override
     def teardown(self) -> None:
