@@ -239,9 +239,9 @@ _FORMER_METHODS = frozenset(
 
 
 def refuse_former_checkpoint_methods(cls: type) -> None:
-    """A strategy class that defines a checkpoint method the Checkpointer now owns would never be called: refused when
-    the class is defined, naming where the method goes."""
-    former = sorted(_FORMER_METHODS & set(cls.__dict__))
+    """A strategy class that defines a checkpoint method the Checkpointer now owns, itself or in a class it mixes in,
+    would never be called: refused when the class is defined, naming where the method goes."""
+    former = sorted(_FORMER_METHODS & {name for klass in cls.__mro__ for name in klass.__dict__})
     if former:
         raise TypeError(
             f"{cls.__name__} defines {former}: a strategy's checkpoint methods live on its Checkpointer "

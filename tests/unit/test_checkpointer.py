@@ -40,6 +40,13 @@ def test_async_save_is_refused_where_the_checkpointer_does_not_save_the_layout()
         DiLoCoStrategy(workers=2, async_save=True)
 
 
+class Extras:
+    """A mixin written for the former base class: its hook would never be called."""
+
+    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
+        pass
+
+
 def test_a_checkpoint_method_on_the_strategy_is_refused_naming_the_checkpointer() -> None:
     with pytest.raises(TypeError, match=r"OldStyle defines \['restore_extras', 'trainer_state'\].*checkpointer_class"):
 
@@ -49,3 +56,8 @@ def test_a_checkpoint_method_on_the_strategy_is_refused_naming_the_checkpointer(
 
             def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
                 pass
+
+    with pytest.raises(TypeError, match=r"Mixed defines \['restore_extras'\]"):
+
+        class Mixed(Extras, BucketedDDPStrategy):
+            pass
