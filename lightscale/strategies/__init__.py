@@ -5,6 +5,7 @@ from lightscale.parallel.mesh import ParallelDims
 # Importing a class registers its names; their order is registry.ORDER's, not these imports'.
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.diloco.strategy import DiLoCoStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
@@ -14,6 +15,7 @@ from lightscale.strategies.zero import ZeroStrategy
 
 __all__ = [
     "BucketedDDPStrategy",
+    "Checkpointer",
     "DiLoCoStrategy",
     "FSDP2Strategy",
     "FitMemoryStrategy",

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from lightscale.errors import ConfigurationError
-from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
-from lightscale.strategies.checkpointer import Checkpointer
+from lightscale.strategies import BucketedDDPStrategy, Checkpointer, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
 
 
 class TaggedCheckpointer(Checkpointer):
