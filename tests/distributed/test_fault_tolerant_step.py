@@ -115,8 +115,9 @@ def _wait_for(predicate: Any, what: str, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def _launches(tmp_path: Path, min_replicas: int) -> Any:
-    """A lighthouse in this process and a ``start(mode, replica)`` for launches; everything ends with the block."""
+def _launches(tmp_path: Path, min_replicas: int, script: str = __file__) -> Any:
+    """A lighthouse in this process and a ``start(mode, replica)`` for launches of ``script``; everything ends with
+    the block."""
     from lightscale.parallel.diloco.lighthouse import start_lighthouse
 
     server, address = start_lighthouse(min_replicas=min_replicas)
@@ -127,7 +128,7 @@ def _launches(tmp_path: Path, min_replicas: int) -> Any:
 
     def start(mode: str, replica: int, wait_for: str = "") -> subprocess.Popen[bytes]:
         out = open(tmp_path / f"{mode}{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
-        cmd = [sys.executable, __file__, mode, str(replica), str(tmp_path / "events"), str(port), wait_for]
+        cmd = [sys.executable, script, mode, str(replica), str(tmp_path / "events"), str(port), wait_for]
         launch_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         procs.append(subprocess.Popen(cmd, env=launch_env, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # fmt: skip

@@ -550,12 +550,6 @@ def _ft_bucketed_ddp(compression="none", **kwargs):
         return BucketedDDPStrategy(fault_tolerant=FaultTolerance(**kwargs), compression=compression)
 
 
-def _fsdp2_fault_tolerant():
-    from lightscale.strategies import FSDP2Strategy
-
-    return FSDP2Strategy(fault_tolerant=True)
-
-
 def _without_torchft():
     import importlib.util
 
@@ -958,9 +952,6 @@ CATALOGUE: list[tuple] = [
     ("ft-step-powersgd", "per-step fault tolerance with PowerSGD (per-replica residuals)",
      lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", compression="powersgd"), CE,
      r"compression='powersgd' cannot run with fault_tolerant.*use compression='none' or 'bf16'"),
-    ("ft-step-fsdp2", "fault_tolerant= on the FSDP2 family (not available yet)",
-     lambda: _fsdp2_fault_tolerant(), CE,
-     r"fault_tolerant=True is not available for the FSDP2 family.*runs on bucketed_ddp"),
     ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
      lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
      r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),
