@@ -43,15 +43,30 @@ def _takes(module: nn.Module, *names: str) -> bool:
 
 def _global_positions(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
     attention = active_attention()
-    if attention is None or kwargs.get("position_ids") is not None or kwargs.get("past_key_values") is not None:
+    if attention is None:
         return None
-    tokens = kwargs.get("input_ids", args[0] if args else None)
+    given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments  # positional ones too
+    if given.get("position_ids") is not None or given.get("past_key_values") is not None:
+        return None
+    tokens = given.get("input_ids")
     if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
+        tokens = given.get("inputs_embeds")
     if tokens is None:
         return None
     batch, local_len = tokens.shape[:2]
-    kwargs["position_ids"] = attention.positions(local_len, tokens.device).unsqueeze(0)
-    if kwargs.get("attention_mask") is None:
-        kwargs["attention_mask"] = torch.ones(batch, local_len, dtype=torch.long, device=tokens.device)
+    positions = attention.positions(local_len, tokens.device).unsqueeze(0)
+    args, kwargs = _set(module, args, kwargs, given, "position_ids", positions)
+    if given.get("attention_mask") is None:
+        mask = torch.ones(batch, local_len, dtype=torch.long, device=tokens.device)
+        args, kwargs = _set(module, args, kwargs, given, "attention_mask", mask)
     return args, kwargs
+
+
+def _set(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], given: dict[str, Any], name: str, value: Any
+) -> tuple[tuple, dict[str, Any]]:
+    """``name`` set to ``value`` where the caller put it: in ``args`` if passed there (as None), else in ``kwargs``."""
+    if name in given and name not in kwargs:
+        index = list(inspect.signature(module.forward).parameters).index(name)
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    return args, {**kwargs, name: value}
