@@ -33,3 +33,11 @@ def read_events(directory: Path) -> list[dict[str, Any]]:
         *complete, _unfinished = path.read_text().split("\n")
         events += [json.loads(line) for line in complete]
     return sorted(events, key=lambda e: e["t"])
+
+
+def wait_for(predicate: Callable[[], Any], what: str, deadline: float) -> None:
+    """Poll ``predicate`` until it holds; a ``TimeoutError`` naming ``what`` past ``deadline`` (time.monotonic())."""
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)

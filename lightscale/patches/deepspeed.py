@@ -171,7 +171,7 @@ def release_training_references(engine: Any) -> None:
     coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
     if coordinator is not None:
         owner = coordinator.PartitionedParameterCoordinator
-        cached = vars(owner)["_PartitionedParameterCoordinator__params_to_release"]
-        for cell in cached.__closure__ or ():  # under DeepSpeed's nvtx wrapper
+        cached = vars(owner).get("_PartitionedParameterCoordinator__params_to_release")
+        for cell in getattr(cached, "__closure__", None) or ():  # under DeepSpeed's nvtx wrapper
             if hasattr(cell.cell_contents, "cache_clear"):
                 cell.cell_contents.cache_clear()

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
+from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode
@@ -50,7 +51,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
         powersgd_warmup_steps: optimizer steps reduced uncompressed before PowerSGD starts.
         fault_tolerant: a :class:`~lightscale.FaultTolerance` (or ``True``: its defaults): this launch is one
             replica; replicas meet at a torchft lighthouse every step, may die and rejoin while the others train on
-            (docs/faults.md, "Per-step fault tolerance").
+            (docs/fault_tolerance.md).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy` (``timeout_s``, ...).
 
     Example:
@@ -101,7 +102,9 @@ class BucketedDDPStrategy(LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.fault_tolerance = fault_tolerance_of(fault_tolerant, compression=compression)
+        self.fault_tolerance = fault_tolerance_of(
+            fault_tolerant, compression=compression, find_unused_parameters=find_unused_parameters
+        )
         validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
         validate_powersgd(powersgd_rank, powersgd_warmup_steps)
         self.powersgd_rank = powersgd_rank
@@ -140,7 +143,13 @@ class BucketedDDPStrategy(LightscaleStrategy):
     shards_parameters = False
 
     def check_inner_settings(self) -> None:
-        """Every setting nests: the reducer runs over the worker's ranks."""
+        """Every setting nests (the reducer runs over the worker's ranks) but ``fault_tolerant``, which DiLoCo
+        would never run: its workers fail and heal through ``DiLoCoStrategy(fault_tolerant=...)``."""
+        if self.fault_tolerance is not None:
+            raise ConfigurationError(
+                "BucketedDDPStrategy(fault_tolerant=...) as DiLoCo's inner strategy would not be fault tolerant: "
+                "DiLoCo drives the inner reducer itself. Pass fault_tolerant= to DiLoCoStrategy instead."
+            )
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(

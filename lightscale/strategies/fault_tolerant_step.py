@@ -26,9 +26,12 @@ from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
 WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
 
-def fault_tolerance_of(fault_tolerant: FaultTolerance | bool | None, *, compression: str) -> FaultTolerance | None:
+def fault_tolerance_of(
+    fault_tolerant: FaultTolerance | bool | None, *, compression: str, find_unused_parameters: bool = False
+) -> FaultTolerance | None:
     """The settings of ``fault_tolerant=`` (``None`` when off); refused here, before any process starts, where
-    torchft is missing, the replica has no name or lighthouse, or the compression keeps per-replica state."""
+    torchft is missing, the replica has no name or lighthouse, the compression keeps per-replica state, or unused
+    parameters would be skipped on one replica and stepped on another."""
     if fault_tolerant is None or fault_tolerant is False:
         return None
     ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
@@ -43,6 +46,12 @@ def fault_tolerance_of(fault_tolerant: FaultTolerance | bool | None, *, compress
         raise ConfigurationError(
             "compression='powersgd' cannot run with fault_tolerant: its error-feedback residuals live on each replica "
             "and a healed one would not have them; use compression='none' or 'bf16'."
+        )
+    if find_unused_parameters:
+        raise ConfigurationError(
+            "find_unused_parameters=True cannot run with fault_tolerant: a parameter no rank of one replica used gets "
+            "no gradient there (the optimizer skips it) while another replica steps it, and the replicas drift apart; "
+            "use find_unused_parameters=False (every parameter in every step's graph)."
         )
     return ft
 
@@ -64,6 +73,7 @@ class FaultTolerantReplica:
         self.trainer: Trainer | None = None
         self.loader: object = None
         self.position = (0, 0)  # (epoch, batches trained in it) at the start of the current step
+        self.skipped = (0, 0)  # (epoch, batches) a heal's sampler skipped: Lightning's batch_idx counts after them
         self.reading = False  # the loader iterates: a heal can no longer move its position
         self.heals = 0
         self.most_replicas = 0
@@ -97,7 +107,8 @@ class FaultTolerantReplica:
         return self.resumed_steps or 0
 
     def begin(self, trainer: Trainer, batch_idx: int) -> None:
-        self.position = (trainer.current_epoch, batch_idx)
+        epoch, skipped = self.skipped
+        self.position = (trainer.current_epoch, batch_idx + (skipped if epoch == trainer.current_epoch else 0))
         self.reading = True
         if self.step is not None:
             self.step.begin()
@@ -138,6 +149,7 @@ class FaultTolerantReplica:
             "batches_that_stepped": loop._batches_that_stepped,
             "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
             "rng": _collect_rng_states(),
+            "precision": trainer.precision_plugin.state_dict(),  # 16-mixed: the loss scale every replica must share
             "position": list(self.position),
         }
 
@@ -154,6 +166,7 @@ class FaultTolerantReplica:
         loop.manual_optimization.optim_step_progress.load_state_dict(state["manual_progress"])
         loop._batches_that_stepped = state["batches_that_stepped"]
         _set_rng_states(state["rng"])
+        trainer.precision_plugin.load_state_dict(state["precision"])
         if not self.reading:  # before the first epoch starts: it starts at the peers' epoch (the sampler's too)
             trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
         self.heals += 1
@@ -170,7 +183,8 @@ class FaultTolerantReplica:
                 f"loader is (epoch {trainer.current_epoch}; sampler {type(sampler).__name__})."
             )
             return
-        sampler.resume_from(epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
+        sampler.resume_from(epoch, batches)
+        self.skipped = (epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
 
     def summary(self) -> str:
         return (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from event_log import event_writer, read_events
+from event_log import event_writer, read_events, wait_for
+
+from lightscale.testing import free_port
 
 TEST_PATHS = (Path(__file__).parents[2], Path(__file__).parents[1])  # the project and tests/, for the workers
 pytest.importorskip("torchft")
@@ -82,22 +83,9 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
         ft.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(predicate: Any, what: str, deadline: float) -> None:
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
-    port = _free_port()
+    port = free_port()
     lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas", "2",
                       "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
@@ -119,18 +107,18 @@ def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
         procs.append(subprocess.Popen(lighthouse_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         workers = [start(r) for r in range(3)]
         restarted = start(KILLED, "restart")
-        _wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == 3, "3 workers", deadline)
+        wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == 3, "3 workers", deadline)
         (tmp_path / "go").touch()
-        _wait_for(lambda: committed(KILLED, workers[KILLED].pid, KILL_AFTER_ROUND), "round to kill in", deadline)
+        wait_for(lambda: committed(KILLED, workers[KILLED].pid, KILL_AFTER_ROUND), "round to kill in", deadline)
         time.sleep(STEP_SLEEP_S * SYNC_EVERY / 2)  # mid-round
         workers[KILLED].send_signal(signal.SIGKILL)
         workers[KILLED].wait()
         times = {"killed": time.monotonic()}
         two = lambda: any(e["event"] == "round" and e["committed"] and e["participants"] == 2 for e in read_events(log))  # noqa: E731
-        _wait_for(two, "a round of the survivors alone", deadline)
+        wait_for(two, "a round of the survivors alone", deadline)
         times["restarted"] = time.monotonic()
         (tmp_path / "restart").touch()
-        _wait_for(lambda: committed(KILLED, restarted.pid, 0), "the restarted worker's first round", deadline)
+        wait_for(lambda: committed(KILLED, restarted.pid, 0), "the restarted worker's first round", deadline)
         times["rejoined"] = time.monotonic()
         last = max(e["round"] for e in read_events(log) if e["event"] == "round")
         (tmp_path / "stop_at").write_text(str(last + 1 + ROUNDS_AFTER_REJOIN))

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from event_log import event_writer, read_events
+from event_log import event_writer, read_events, wait_for
+
+from lightscale.testing import free_port
 
 TEST_PATHS = (Path(__file__).parents[2], Path(__file__).parents[1])  # the project and tests/, for the workers
 pytest.importorskip("torchft")
@@ -112,24 +113,11 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
     trainer.fit(Net())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(predicate: Any, what: str, deadline: float) -> None:
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Start a lighthouse and the workers; kill the last worker mid-round and restart it; with 3 workers, then
     freeze worker FROZEN mid-round; stop the live ones a few rounds later."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
-    killed, port = workers - 1, _free_port()
+    killed, port = workers - 1, free_port()
     lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas",
                       str(workers - 1), "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
@@ -141,7 +129,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         out = open(tmp_path / f"worker{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
         cmd = [sys.executable, __file__, str(replica), str(workers), str(ranks), f"http://127.0.0.1:{port}", str(log),
                *wait_for]  # fmt: skip
-        worker_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        worker_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         # A session of its own: the signals reach every rank of the worker (Lightning's launcher starts rank 1).
         procs.append(
             subprocess.Popen(cmd, env=worker_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -152,7 +140,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         return [e for e in read_events(log) if e["event"] == "round" and all(e[k] == v for k, v in match.items())]
 
     def mid_round_after(replica: int, pid: int, round_: int) -> None:
-        _wait_for(lambda: rounds(replica=replica, pid=pid, committed=True, round=round_), f"round {round_}", deadline)
+        wait_for(lambda: rounds(replica=replica, pid=pid, committed=True, round=round_), f"round {round_}", deadline)
         time.sleep(STEP_SLEEP_S * SYNC_EVERY / 2)
 
     try:
@@ -160,7 +148,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         launched = [start(r) for r in range(workers)]
         restarted = start(killed, "restart")
         started = workers * ranks
-        _wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == started, "the workers", deadline)
+        wait_for(lambda: sum(e["event"] == "start" for e in read_events(log)) == started, "the workers", deadline)
         (tmp_path / "go").touch()
 
         mid_round_after(killed, launched[killed].pid, 2)
@@ -168,10 +156,10 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
         launched[killed].wait()
         times = {"killed": time.monotonic()}
         fewer = workers - 1
-        _wait_for(lambda: rounds(committed=True, participants=fewer), "a round of the survivors alone", deadline)
+        wait_for(lambda: rounds(committed=True, participants=fewer), "a round of the survivors alone", deadline)
         (tmp_path / "restart").touch()
         times["restarted"] = time.monotonic()
-        _wait_for(lambda: rounds(replica=killed, pid=restarted.pid, committed=True), "the rejoin", deadline)
+        wait_for(lambda: rounds(replica=killed, pid=restarted.pid, committed=True), "the rejoin", deadline)
         times["rejoined"] = time.monotonic()
         last = rounds(replica=killed, pid=restarted.pid, committed=True)[0]["round"]
         live = [launched[0], restarted]
@@ -180,7 +168,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
             os.killpg(launched[FROZEN].pid, signal.SIGSTOP)  # alive, holding its sockets, silent
             times["frozen"] = time.monotonic()
             last = max(e["round"] for e in rounds())
-            _wait_for(lambda: rounds(committed=True, participants=2, round=last + 2), "the freeze dropped", deadline)
+            wait_for(lambda: rounds(committed=True, participants=2, round=last + 2), "the freeze dropped", deadline)
             times["dropped"] = time.monotonic()
         (tmp_path / "stop_at").write_text(str(last + 4))
         for proc in live:

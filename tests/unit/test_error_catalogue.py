@@ -542,12 +542,23 @@ def _fault_tolerance(call=None, **kwargs):
         return getattr(ft, call)() if call else ft
 
 
-def _ft_bucketed_ddp(compression="none", **kwargs):
+def _ft_bucketed_ddp(compression="none", find_unused_parameters=False, **kwargs):
     from lightscale import FaultTolerance
     from lightscale.strategies import BucketedDDPStrategy
 
     with mock.patch.dict(os.environ, {"LIGHTSCALE_REPLICA_ID": "", "TORCHFT_LIGHTHOUSE": ""}):
-        return BucketedDDPStrategy(fault_tolerant=FaultTolerance(**kwargs), compression=compression)
+        return BucketedDDPStrategy(
+            fault_tolerant=FaultTolerance(**kwargs),
+            compression=compression,
+            find_unused_parameters=find_unused_parameters,
+        )
+
+
+def _diloco_over_ft_inner():
+    from lightscale.strategies import DiLoCoStrategy
+
+    inner = _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1")
+    return DiLoCoStrategy(inner=inner)
 
 
 def _without_torchft():
@@ -952,6 +963,11 @@ CATALOGUE: list[tuple] = [
     ("ft-step-powersgd", "per-step fault tolerance with PowerSGD (per-replica residuals)",
      lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", compression="powersgd"), CE,
      r"compression='powersgd' cannot run with fault_tolerant.*use compression='none' or 'bf16'"),
+    ("ft-step-unused", "per-step fault tolerance with find_unused_parameters=True (replicas would drift)",
+     lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", find_unused_parameters=True),
+     CE, r"find_unused_parameters=True cannot run with fault_tolerant.*replicas drift apart"),
+    ("ft-step-diloco-inner", "a fault-tolerant bucketed_ddp as DiLoCo's inner strategy (DiLoCo drives it)",
+     _diloco_over_ft_inner, CE, r"as DiLoCo's inner strategy would not be fault tolerant.*DiLoCoStrategy instead"),
     ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
      lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
      r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),

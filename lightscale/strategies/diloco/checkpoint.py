@@ -1,6 +1,7 @@
 """What DiLoCo's checkpoints read of the live run: the fp32 global model under the module's names (the ``model.*``
-entries), and whether a checkpoint resumes exactly at this layout or restarts every worker from the global model.
-The layout on disk is lightscale/checkpoint/diloco_state.py's.
+entries), and whether a checkpoint resumes exactly at this layout or restarts every worker from the global model;
+what the strategy's ``save_checkpoint`` and ``load_checkpoint`` do while it trains. The layout on disk is
+lightscale/checkpoint/diloco_state.py's.
 
 Example:
     >>> global_model(module, outer)  # {"net.0.weight": <the global copy>, ..., "net.1.running_mean": ...}
@@ -9,14 +10,24 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lightscale.checkpoint.diloco_state import like_param
+from lightscale.checkpoint.diloco_state import (
+    diloco_state,
+    like_param,
+    load_diloco_state,
+    load_global_state,
+    read_diloco_state,
+)
+from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.diloco import OuterSync
+
+if TYPE_CHECKING:
+    from lightscale.strategies.diloco.strategy import DiLoCoStrategy
 
 
 def global_model(module: nn.Module, outer: OuterSync) -> dict[str, torch.Tensor]:
@@ -31,6 +42,15 @@ def global_model(module: nn.Module, outer: OuterSync) -> dict[str, torch.Tensor]
     state = module.state_dict(keep_vars=True)
     buffers = {name: t for name, t in state.items() if name not in own and isinstance(t, torch.Tensor)}
     return {**params, **buffers}
+
+
+def check_file_format(checkpoint_format: str, *, sharded: bool) -> None:
+    """Refuse, at construction, ``checkpoint_format='file'`` when the inner strategy shards the global model."""
+    if sharded and checkpoint_format == "file":
+        raise ConfigurationError(
+            "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
+            "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
+        )
 
 
 def refuse_single_file(path: Path) -> None:
@@ -60,3 +80,42 @@ def resumes_exactly(path: Path, saved: dict[str, Any] | None, *, workers: int, s
             f"a fragment's result landed."
         )
     return same
+
+
+def save_diloco_checkpoint(strategy: DiLoCoStrategy, outer: OuterSync, checkpoint: dict[str, Any], path: Path) -> None:
+    """A training run's checkpoint: the global model only as one file, else the portable layout with every worker's
+    own state (``diloco.*``) and the outer state beside the global model (``model.*``)."""
+    strategy.check_checkpoint_dir(path.parent)
+    if strategy.checkpoint_format == "file":  # the global model only: the workers' own state has no file form
+        model = {name: tensor.detach() for name, tensor in global_model(strategy.lightning_module, outer).items()}
+        rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
+        strategy.save_single_file({**rest, "state_dict": model}, path)
+        return
+    tensors, meta = diloco_state(outer, strategy.optimizers[0], worker=strategy.worker, shard=strategy.shard)
+    dims = strategy.dims
+    meta |= {"workers": dims.dp_replicate, "shards": dims.dp_shard if strategy.inner.shards_parameters else 1}
+    if strategy.ft is not None:
+        meta["ft_rounds"] = strategy.ft.manager.current_step()
+    rest = {**strategy.trainer_state(checkpoint), "diloco": meta}
+    model = global_model(strategy.lightning_module, outer)
+    write_checkpoint(path, {"model": model, "diloco": tensors}, rest, strategy.checkpoint_io.save_checkpoint)
+
+
+def load_diloco_checkpoint(strategy: DiLoCoStrategy, outer: OuterSync, path: Path) -> dict[str, Any]:
+    """Resume a training run from ``path`` (see ``DiLoCoStrategy.load_checkpoint``); the trainer state it returns
+    carries no optimizer states: each worker's inner state is loaded here, or starts afresh at another layout."""
+    refuse_single_file(path)
+    meta = strategy.read_trainer_state(path, fitting=True)
+    saved = meta.get("diloco")
+    shards = strategy.dims.dp_shard if strategy.inner.shards_parameters else 1
+    same = resumes_exactly(path, saved, workers=strategy.dims.dp_replicate, shards=shards)
+    worker, shard = strategy.worker, strategy.shard
+    model = global_model(strategy.lightning_module, outer)
+    tensors = read_diloco_state(path, outer, model, worker=worker if same else None, shard=shard)
+    if same:
+        load_diloco_state(outer, strategy.optimizers[0], tensors, saved, worker=worker, shard=shard)
+        if strategy.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
+            strategy.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
+        return {**meta, "optimizer_states": []}
+    load_global_state(outer, tensors, saved)
+    return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model

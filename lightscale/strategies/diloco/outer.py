@@ -1,5 +1,5 @@
-"""The outer loop as DiLoCo's strategy drives it: the OuterSync it builds (or torchft's, fault-tolerant), a
-synchronous step's gradient average inside the closure, and validation on the global model.
+"""The outer loop as DiLoCo's strategy drives it: the OuterSync it builds (``outer_sync_for``; torchft's when
+fault-tolerant), a synchronous step's gradient average inside the closure, and validation on the global model.
 
 Example:
     >>> kept = globals_in(outer)  # validation measures the global model ...
@@ -8,11 +8,44 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
-from lightscale.parallel.diloco import OuterSync
+from lightscale.parallel.diloco import FaultTolerantOuterSync, OuterSync
+from lightscale.parallel.mesh import axis
+from lightscale.strategies.diloco.fault_tolerant import fault_tolerant_outer_sync
+
+if TYPE_CHECKING:
+    from lightscale.strategies.diloco.strategy import DiLoCoStrategy
+
+
+def outer_sync_for(strategy: DiLoCoStrategy, module: nn.Module) -> tuple[OuterSync, FaultTolerantOuterSync | None]:
+    """The OuterSync over the ``dp_replicate`` group that ``strategy``'s settings ask for, or torchft's (with the
+    :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync` that holds it) when fault-tolerant."""
+    outer_optimizer = strategy._outer_optimizer if strategy.mode == "diloco" else None
+    schedule = strategy.schedule
+    if outer_optimizer is not None:
+        chosen = "the default for this H" if strategy.outer_step_defaulted else "as given"
+        rank_zero_info(
+            f"lightscale: DiLoCo outer step every {schedule.sync_every} steps: SGD lr {strategy.outer_lr}, "
+            f"Nesterov momentum {strategy.outer_momentum} ({chosen}; docs/strategies/diloco.md)."
+        )
+    if strategy.fault_tolerance is not None:
+        ft = fault_tolerant_outer_sync(
+            strategy.fault_tolerance, module, sync_every=schedule.sync_every, mode=strategy.mode,
+            outer_optimizer=outer_optimizer, world_size=strategy.world_size,
+        )  # fmt: skip
+        return ft.sync, ft
+    outer = OuterSync(
+        module.named_parameters(), sync_every=schedule.sync_every,
+        group=axis(strategy.device_mesh, "dp_replicate").get_group(), mode=strategy.mode,
+        outer_optimizer=outer_optimizer, fragments=schedule.fragments, overlap_steps=schedule.overlap_steps,
+        compression=strategy.compression, broadcast_start=False, synchronous_steps=strategy.synchronous_steps,
+    )  # fmt: skip
+    return outer, None
 
 
 def averaging_gradients(closure: Any, outer: OuterSync) -> Any:

@@ -22,17 +22,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightscale.checkpoint.diloco_state import (
-    diloco_state,
-    load_diloco_state,
-    load_global_state,
-    read_diloco_state,
-)
-from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
@@ -52,18 +44,16 @@ from lightscale.parallel.diloco import (
 from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import FLOAT8
 from lightscale.strategies.base import SEVERAL_OPTIMIZERS, LightscaleStrategy
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.class_answers import init_arguments
-from lightscale.strategies.diloco.checkpoint import global_model, refuse_single_file, resumes_exactly
+from lightscale.strategies.diloco.checkpoint import check_file_format, load_diloco_checkpoint, save_diloco_checkpoint
 from lightscale.strategies.diloco.fault_tolerant import (
     fault_tolerance_of,
-    fault_tolerant_outer_sync,
     join_first_quorum,
     worker_data_shard,
 )
-from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back
+from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back, outer_sync_for
 from lightscale.strategies.diloco.workers import (
     DEFAULT_INNER,
     Inner,
@@ -71,6 +61,7 @@ from lightscale.strategies.diloco.workers import (
     diloco_layout,
     inner_parameter_view,
     inner_strategy,
+    refuse_float8,
     shards_parameters,
     worker_dims,
 )
@@ -169,11 +160,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_settings(workers, outer_lr, outer_momentum)
         check_ac_mode(activation_checkpointing)
         inner = inner_strategy(inner)
-        if inner.shards_parameters and self.checkpoint_format == "file":
-            raise ConfigurationError(
-                "checkpoint_format='file' needs the global model whole on every rank; inner='fsdp2' shards it. Use "
-                "inner='bucketed_ddp', or checkpoint_format='dcp' and `lightscale consolidate` for one file."
-            )
+        check_file_format(self.checkpoint_format, sharded=inner.shards_parameters)
         self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
         check_synchronous_steps(synchronous_steps, fault_tolerant=self.fault_tolerance is not None)
@@ -258,12 +245,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
-        name = precision_name(plugin)
-        if name in FLOAT8:  # reachable through a plain lightning.Trainer, which skips the family check
-            raise ConfigurationError(
-                f"precision={name!r} cannot run under DiLoCo: its workers' parameters are not converted to float8. "
-                "Use fsdp2 or parallel_3d for float8, or a DiLoCo precision such as 'bf16-mixed'."
-            )
+        refuse_float8(precision_name(plugin))  # reachable through lightning.Trainer, which skips the family check
         return self.inner.inner_precision(plugin, self.root_device.type)
 
     @override
@@ -293,29 +275,8 @@ class DiLoCoStrategy(LightscaleStrategy):
         worker = axis(self.device_mesh, "dp_shard")
         self.inner.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self.outer = self._outer_sync(module)
+            self.outer, self.ft = outer_sync_for(self, module)
         return module
-
-    def _outer_sync(self, module: nn.Module) -> OuterSync:
-        outer_optimizer = self._outer_optimizer if self.mode == "diloco" else None
-        if outer_optimizer is not None:
-            chosen = "the default for this H" if self.outer_step_defaulted else "as given"
-            rank_zero_info(
-                f"lightscale: DiLoCo outer step every {self.schedule.sync_every} steps: SGD lr {self.outer_lr}, "
-                f"Nesterov momentum {self.outer_momentum} ({chosen}; docs/strategies/diloco.md)."
-            )
-        if self.fault_tolerance is not None:
-            self.ft = fault_tolerant_outer_sync(
-                self.fault_tolerance, module, sync_every=self.schedule.sync_every, mode=self.mode,
-                outer_optimizer=outer_optimizer, world_size=self.world_size,
-            )  # fmt: skip
-            return self.ft.sync
-        return OuterSync(
-            module.named_parameters(), sync_every=self.schedule.sync_every,
-            group=axis(self.device_mesh, "dp_replicate").get_group(), mode=self.mode, outer_optimizer=outer_optimizer,
-            fragments=self.schedule.fragments, overlap_steps=self.schedule.overlap_steps,
-            compression=self.compression, broadcast_start=False, synchronous_steps=self.synchronous_steps,
-        )  # fmt: skip
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return sgd_outer_optimizer(self.outer_lr, self.outer_momentum)(params)
@@ -395,19 +356,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if self.outer is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.checkpoint_location(filepath)  # a local path or an fsspec URL
-        self.check_checkpoint_dir(path.parent)
-        if self.checkpoint_format == "file":  # the global model only: the workers' own state has no file form
-            model = {name: tensor.detach() for name, tensor in global_model(self.lightning_module, self.outer).items()}
-            rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
-            self.save_single_file({**rest, "state_dict": model}, path)
-            return None
-        tensors, meta = diloco_state(self.outer, self.optimizers[0], worker=self.worker, shard=self.shard)
-        meta |= {"workers": self.dims.dp_replicate, "shards": self.dims.dp_shard if self.inner.shards_parameters else 1}
-        if self.ft is not None:
-            meta["ft_rounds"] = self.ft.manager.current_step()
-        rest = {**self.trainer_state(checkpoint), "diloco": meta}
-        model = global_model(self.lightning_module, self.outer)
-        write_checkpoint(path, {"model": model, "diloco": tensors}, rest, self.checkpoint_io.save_checkpoint)
+        save_diloco_checkpoint(self, self.outer, checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -417,21 +366,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         path = self.checkpoint_location(checkpoint_path)
         if self.outer is None:
             return super().load_checkpoint(path, weights_only)
-        refuse_single_file(path)
-        meta = self.read_trainer_state(path, fitting=True)
-        saved = meta.get("diloco")
-        shards = self.dims.dp_shard if self.inner.shards_parameters else 1
-        same = resumes_exactly(path, saved, workers=self.dims.dp_replicate, shards=shards)
-        worker = self.worker if same else None
-        model = global_model(self.lightning_module, self.outer)
-        tensors = read_diloco_state(path, self.outer, model, worker=worker, shard=self.shard)
-        if same:
-            load_diloco_state(self.outer, self.optimizers[0], tensors, saved, worker=self.worker, shard=self.shard)
-            if self.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
-                self.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
-            return {**meta, "optimizer_states": []}
-        load_global_state(self.outer, tensors, saved)
-        return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model
+        return load_diloco_checkpoint(self, self.outer, path)
 
     @override
     def teardown(self) -> None:

@@ -15,6 +15,7 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.mesh import ParallelDims
+from lightscale.plugins.precision_contract import FLOAT8
 from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.fsdp2 import FSDP2Strategy
 from lightscale.strategies.inner import InnerStrategy
@@ -86,4 +87,13 @@ def check_settings(workers: int | None, outer_lr: float, outer_momentum: float) 
     if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
         raise ConfigurationError(
             f"outer_momentum={outer_momentum!r} is not valid; use 0 <= momentum < 1 (None: the default for H)."
+        )
+
+
+def refuse_float8(precision: str) -> None:
+    """Refuse a float8 precision: a worker's parameters are not converted to float8."""
+    if precision in FLOAT8:
+        raise ConfigurationError(
+            f"precision={precision!r} cannot run under DiLoCo: its workers' parameters are not converted to float8. "
+            "Use fsdp2 or parallel_3d for float8, or a DiLoCo precision such as 'bf16-mixed'."
         )
