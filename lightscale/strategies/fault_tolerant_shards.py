@@ -16,8 +16,22 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightscale.data.data_shard import DataShard
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica, replica_data_shard
+
+
+def check_replicate_under_ft(ft: FaultTolerance | None, dp_replicate: int) -> None:
+    """Under ``fault_tolerant=`` the replicate dimension is torchft's, across launches: replica groups inside a
+    launch as well are not supported (refused, not silently set to 1)."""
+    if ft is not None and dp_replicate != 1:
+        raise ConfigurationError(
+            f"dp_replicate={dp_replicate} cannot run with fault_tolerant: each launch is one replica that shards over "
+            "its own ranks, and the replicas are the launches torchft meets each step; use dp_replicate=1 "
+            "(FSDP2Strategy(fault_tolerant=..., dp_replicate=1); the hsdp name's default is 2) and start one launch "
+            "per replica."
+        )
 
 
 def local(value: Any) -> Any:

@@ -56,7 +56,11 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
-from lightscale.strategies.fault_tolerant_shards import FaultTolerantShards, ShardedFaultTolerantReplica
+from lightscale.strategies.fault_tolerant_shards import (
+    FaultTolerantShards,
+    ShardedFaultTolerantReplica,
+    check_replicate_under_ft,
+)
 from lightscale.strategies.fault_tolerant_step import fault_tolerance_of
 
 
@@ -84,8 +88,8 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
         secondary_shard: hpZ: after forward keep shards over groups of this many neighbouring ranks (``"node"``: the
             processes per node), so backward's all-gather stays inside a node (docs/strategies/fsdp2.md, ZeRO++).
         fault_tolerant: a :class:`~lightscale.FaultTolerance`: this launch is one replica sharding over its own ranks
-            (``dp_replicate`` is then 1 inside it); rank ``r`` averages its gradient shards with rank ``r`` of the
-            other replicas through torchft each step (docs/fault_tolerance.md, hsdp).
+            (``dp_replicate=1``; another value is refused); rank ``r`` averages its gradient shards with rank ``r`` of
+            the other replicas through torchft each step (docs/fault_tolerance.md, hsdp).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -173,8 +177,8 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     ) -> None:
         ft = fault_tolerance_of(fault_tolerant, compression=compression)
         super().__init__(**kwargs)
+        check_replicate_under_ft(ft, dp_replicate)
         self.ft = ShardedFaultTolerantReplica(ft) if ft is not None else None
-        dp_replicate = 1 if ft is not None else dp_replicate  # the replicas are torchft's, across launches
         check_compression(compression, self.precision_rules)
         self.zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
         self.zeropp.check_with(reshard_after_forward=reshard_after_forward, compression=compression)
