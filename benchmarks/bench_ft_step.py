@@ -1,8 +1,11 @@
 """Per-step fault tolerance (``BucketedDDPStrategy(fault_tolerant=...)``) ÷ plain bucketed_ddp, and what a fault costs.
 
-Both sides train the tiny GPT of the GPT recipe on 2 CPU data-parallel ranks through ``lightscale.Trainer``:
-plain ``bucketed_ddp`` at ``devices=2`` (one launch), and 2 fault-tolerant replicas of 1 rank (two launches and a
-lighthouse), alternated ABBA; the ratio is of median step times. Then one fault: 2 replicas train, one is killed
+Every side trains the tiny GPT of the GPT recipe on 2 CPU data-parallel ranks through ``lightscale.Trainer``:
+2 fault-tolerant replicas of 1 rank (``ft``: two launches and a lighthouse); plain ``bucketed_ddp`` as two launches
+of 1 rank (``nodes``: ``num_nodes=2, devices=1``, a node rank each, one process group on loopback), the like-for-like
+pair; and plain ``bucketed_ddp`` at ``devices=2`` (``plain``: one launch of 2 ranks). The sides alternate A B C C B A;
+the ratios are of median step times (and, for the like-for-like pair, the median of each repeat's ratio: its
+two runs are adjacent, so they share the machine's load). Then one fault: 2 replicas train, one is killed
 with SIGKILL and a replacement (started beforehand, waiting) is released once the survivor has committed a step
 alone; printed: seconds from the kill to the survivor's next committed step, from the release to the replacement's
 first step, and the steps lost (dropped) by the survivor.
@@ -31,7 +34,8 @@ FAULT_STEPS, KILL_AT = 10_000, 40  # the fault run is ended once the replacement
 
 
 def _replica(mode: str, replica: int, out: str, port: int, steps: int) -> None:
-    """One launch: ``plain`` (bucketed_ddp, 2 ranks) or a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
+    """One launch: ``plain`` (bucketed_ddp, 2 ranks), ``nodes`` (bucketed_ddp, node ``replica`` of 2, 1 rank each) or
+    a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
     import lightning.pytorch as pl
 
     import lightscale
@@ -54,15 +58,16 @@ def _replica(mode: str, replica: int, out: str, port: int, steps: int) -> None:
     while mode == "spare" and not (flags / "release").exists():  # started early: the rejoin is timed, not imports
         time.sleep(0.02)
     pl.seed_everything(0, verbose=False)
-    if mode == "plain":
+    if mode in ("plain", "nodes"):
         strategy = BucketedDDPStrategy()
     else:
         ft = lightscale.FaultTolerance(replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}",
                                        min_replicas=1 if mode != "ft" else 2, data_shards=2, timeout_s=5)  # fmt: skip
         strategy = BucketedDDPStrategy(fault_tolerant=ft)
     trainer = lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2 if mode == "plain" else 1,
-                                 max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False, limit_val_batches=0, callbacks=[Steps()])  # fmt: skip
+                                 num_nodes=2 if mode == "nodes" else 1, max_steps=steps, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 limit_val_batches=0, callbacks=[Steps()])  # fmt: skip
     config = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
     trainer.fit(GPTModule(config), GPTDataModule(block_size=config.block_size, batch_size=8))
 
@@ -92,8 +97,9 @@ def _job(min_replicas: int) -> Any:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as out:
 
-        def start(mode: str, replica: int, steps: int) -> subprocess.Popen[bytes]:
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+        def start(mode: str, replica: int, steps: int, **extra: str) -> subprocess.Popen[bytes]:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
+                   **extra}  # fmt: skip
             cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))  # fmt: skip
@@ -111,7 +117,13 @@ def _job(min_replicas: int) -> Any:
 
 def _median_step(mode: str, steps: int) -> float:
     with _job(min_replicas=2) as (start, out):
-        procs = [start("plain", 0, steps)] if mode == "plain" else [start("ft", 0, steps), start("ft", 1, steps)]
+        if mode == "plain":
+            procs = [start("plain", 0, steps)]
+        elif mode == "nodes":  # one process group over two launches: node k's rank is k
+            port = str(_port())
+            procs = [start("nodes", k, steps, MASTER_PORT=port, NODE_RANK=str(k)) for k in range(2)]
+        else:
+            procs = [start("ft", 0, steps), start("ft", 1, steps)]
         for proc in procs:
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"{mode} launch failed ({proc.returncode})")
@@ -156,14 +168,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"plain": [], "ft": []}
+    modes = ("ft", "nodes", "plain")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    print(f"load average at the start: {os.getloadavg()}")
     for i in range(args.repeats):
-        for mode in ("plain", "ft") if i % 2 == 0 else ("ft", "plain"):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
             times[mode].append(_median_step(mode, WARMUP + args.steps))
-    plain, ft = statistics.median(times["plain"]), statistics.median(times["ft"])
-    print(f"median step: bucketed_ddp {plain * 1e3:.1f} ms, fault_tolerant {ft * 1e3:.1f} ms, ratio {ft / plain:.3f}")
-    print(f"  per repeat (ms): plain {[round(t * 1e3, 1) for t in times['plain']]}, "
-          f"ft {[round(t * 1e3, 1) for t in times['ft']]}")  # fmt: skip
+    print(f"load average after the step times: {os.getloadavg()}")
+    median = {mode: statistics.median(times[mode]) for mode in modes}
+    print(
+        f"median step: fault_tolerant {median['ft'] * 1e3:.1f} ms; bucketed_ddp two launches of 1 rank "
+        f"{median['nodes'] * 1e3:.1f} ms (ratio {median['ft'] / median['nodes']:.3f}, like for like); bucketed_ddp "
+        f"one launch of 2 ranks {median['plain'] * 1e3:.1f} ms (ratio {median['ft'] / median['plain']:.3f})"
+    )
+    print("  per repeat (ms):", {mode: [round(t * 1e3, 1) for t in times[mode]] for mode in modes})
+    pairs = [ft / nodes for ft, nodes in zip(times["ft"], times["nodes"], strict=True)]  # adjacent runs: same load
+    print(f"  fault_tolerant / two launches, per repeat: {[round(r, 3) for r in pairs]}, median "
+          f"{statistics.median(pairs):.3f}")  # fmt: skip
     print("fault:", json.dumps({k: round(v, 2) for k, v in _fault().items()}))
 
 

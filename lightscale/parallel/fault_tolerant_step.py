@@ -37,6 +37,8 @@ class FaultTolerantStep:
         state_dict: what a peer that heals from this replica receives (read while this rank waits in :meth:`begin`).
         load_state_dict: loads a peer's state into this replica (called inside :meth:`begin`).
         group: this replica's own ranks (``None``: one rank).
+        manager: drive this object (torchft ``Manager``'s methods) instead of building one: the seam a unit test
+            uses to fake the lighthouse and the peers (tests/unit/test_fault_tolerant_commit.py).
     """
 
     def __init__(
@@ -46,13 +48,16 @@ class FaultTolerantStep:
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         group: dist.ProcessGroup | None = None,
+        manager: Any = None,
     ) -> None:
         self.settings = settings
-        self.open = False
+        self.open = False  # a quorum was taken and its step not committed yet
         self.participants = 0
-        self.manager = build_manager(
-            settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, owner=self
-        )
+        if manager is None:
+            manager = build_manager(
+                settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, owner=self
+            )
+        self.manager = manager
 
     @property
     def committed_steps(self) -> int:

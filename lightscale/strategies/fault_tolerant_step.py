@@ -64,11 +64,35 @@ def replica_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
     return DataShard(ft.data_part() * shard.count + shard.index, ft.data_shards * shard.count)
 
 
+def refuse_several_optimizers(count: int) -> None:
+    """Before the first quorum: each optimizer step commits on its batch's one quorum, so one optimizer only."""
+    if count > 1:
+        raise ConfigurationError(
+            f"fault_tolerant= runs one optimizer, stepped at most once per training batch, and configure_optimizers "
+            f"returned {count}: the replicas meet once per batch (one quorum, one commit), so a second optimizer's "
+            f"step would run without a quorum of its own and a fault between the two would leave the batch half "
+            f"applied. Use one optimizer (parameter groups for different settings), or leave fault_tolerant unset."
+        )
+
+
+def refuse_step_without_quorum(step: FaultTolerantStep | None) -> None:
+    """A second ``optimizer.step()`` in one batch (manual optimization) finds the batch's quorum already committed."""
+    if step is None or not step.open:
+        raise ConfigurationError(
+            "fault_tolerant= takes one optimizer.step() per training batch, and this batch stepped again after its "
+            "step was committed: the replicas meet once per batch (one quorum, one commit), so this step would have "
+            "no quorum of its own. Under manual optimization (automatic_optimization=False) call optimizer.step() "
+            "once per training_step (accumulate over batches rather than stepping twice in one), or use automatic "
+            "optimization."
+        )
+
+
 class FaultTolerantReplica:
     """The Lightning side of one replica: its torchft step, the state a peer heals from, the per-step log."""
 
-    def __init__(self, settings: FaultTolerance) -> None:
+    def __init__(self, settings: FaultTolerance, *, manager: Any = None) -> None:
         self.settings = settings
+        self.manager = manager  # None: torchft's, built at the first quorum (a fake in tests/unit)
         self.step: FaultTolerantStep | None = None
         self.trainer: Trainer | None = None
         self.loader: object = None
@@ -85,9 +109,14 @@ class FaultTolerantReplica:
         """The first quorum, before the data is read: a replica behind its peers heals here and reads on from them."""
         self.trainer, self.loader = trainer, loader
         if self.step is None:
+            refuse_several_optimizers(len(trainer.optimizers))
             group = dist.group.WORLD if trainer.world_size > 1 else None
             self.step = FaultTolerantStep(
-                self.settings, state_dict=self.state_dict, load_state_dict=self.load_state_dict, group=group
+                self.settings,
+                state_dict=self.state_dict,
+                load_state_dict=self.load_state_dict,
+                group=group,
+                manager=self.manager,
             )
             if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
                 self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
@@ -116,6 +145,7 @@ class FaultTolerantReplica:
     def optimizer_step(self, apply: Any, closure: Any, gradients: list[Tensor] | Callable[[], list[Tensor]]) -> Any:
         """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded
         (``gradients`` a callable where backward creates them, as FSDP2's sharded ones)."""
+        refuse_step_without_quorum(self.step)
         result = closure()
         assert self.step is not None and self.trainer is not None
         self.step.average(gradients() if callable(gradients) else gradients)

@@ -9,6 +9,7 @@ like the URL appears. ``memory://`` does the same in one process; a scheme whose
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.checkpoint.lightning_format import lightning_checkpoint
 from lightscale.checkpoint.resume import newest_checkpoint
+from lightscale.cli import main as lightscale_main
 from lightscale.errors import ConfigurationError
 from lightscale.recipes.gpt import GPTConfig
 from lightscale.storage.safe_io import SafeCheckpointIO
@@ -247,7 +249,10 @@ def test_resume_auto_finds_the_newest_complete_checkpoint_in_the_bucket(s3: str,
 
 
 def _cli(*args: str, cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "lightscale.cli", *args], check=True, timeout=180, cwd=cwd)
+    """``lightscale <args>`` run in ``cwd``, in this process: these subcommands launch no ranks, so the console
+    script's function is the whole command (a fresh interpreter would add only its imports)."""
+    with contextlib.chdir(cwd):
+        lightscale_main(list(args))
 
 
 def test_consolidate_export_and_convert_from_s3_to_s3(s3: str, tmp_path: Path) -> None:

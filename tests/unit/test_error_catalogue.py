@@ -562,6 +562,33 @@ def _ft_hsdp_replicated_inside():
     return FSDP2Strategy(fault_tolerant=ft, dp_replicate=2)
 
 
+def _ft_replica():
+    from lightscale import FaultTolerance
+    from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
+
+    return FaultTolerantReplica(FaultTolerance(replica_id="replica_0", lighthouse="http://127.0.0.1:1"))
+
+
+def _ft_several_optimizers():
+    """Manual optimization with two optimizers: refused at the first quorum, before the data is read."""
+    from types import SimpleNamespace
+
+    def sgd():
+        return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    return _ft_replica().join(SimpleNamespace(optimizers=[sgd(), sgd()]), loader=None)
+
+
+def _ft_second_step_in_a_batch():
+    """Manual optimization stepping twice in one batch: the second step finds the batch's quorum committed
+    (tests/unit/test_fault_tolerant_commit.py runs it in a fit)."""
+    from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+
+    replica = _ft_replica()
+    replica.step = FaultTolerantStep(replica.settings, state_dict=dict, load_state_dict=print, manager=object())
+    return replica.optimizer_step(apply=None, closure=None, gradients=[])
+
+
 def _diloco_over_ft_inner():
     from lightscale.strategies import DiLoCoStrategy
 
@@ -974,6 +1001,10 @@ CATALOGUE: list[tuple] = [
     ("ft-step-unused", "per-step fault tolerance with find_unused_parameters=True (replicas would drift)",
      lambda: _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1", find_unused_parameters=True),
      CE, r"find_unused_parameters=True cannot run with fault_tolerant.*replicas drift apart"),
+    ("ft-step-optimizers", "per-step fault tolerance with several optimizers (manual optimization)",
+     _ft_several_optimizers, CE, r"runs one optimizer, stepped at most once per training batch.*returned 2"),
+    ("ft-step-manual-steps", "per-step fault tolerance with a second optimizer.step() in one batch",
+     _ft_second_step_in_a_batch, CE, r"one optimizer.step\(\) per training batch.*once per training_step"),
     ("ft-step-diloco-inner", "a fault-tolerant bucketed_ddp as DiLoCo's inner strategy (DiLoCo drives it)",
      _diloco_over_ft_inner, CE, r"as DiLoCo's inner strategy would not be fault tolerant.*DiLoCoStrategy instead"),
     ("ft-hsdp-replicate", "fault_tolerant= on the FSDP2 family with dp_replicate other than 1 (hsdp's default 2)",

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
@@ -50,7 +51,19 @@ class ContextParallelStep:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.attention = ContextParallelAttention(group, mode=mode)
         self._checked_calls = False
-        self._position_hooks = feed_global_positions(module)
+        self._position_hooks: list[RemovableHandle] = []
+        self.attach()
+
+    def attach(self) -> None:
+        """Hook the module's Hugging Face models to receive global positions (again for validate/test after fit)."""
+        if not self._position_hooks:
+            self._position_hooks = feed_global_positions(self.module)
+
+    def detach(self) -> None:
+        """At the strategy's teardown: the user's model leaves carrying no hook of ours."""
+        for hook in self._position_hooks:
+            hook.remove()
+        self._position_hooks = []
 
     @contextmanager
     def serving(self, trainer: Trainer, reduce: Reduce) -> Iterator[None]:

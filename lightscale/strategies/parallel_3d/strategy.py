@@ -243,6 +243,8 @@ class Parallel3DStrategy(LightscaleStrategy):
         if self._parallelized is module:  # validate/test after fit: the same shards (and pipeline) again
             if self.pipelined is not None:
                 self.pipelined.attach()
+            if self.context_parallel is not None:
+                self.context_parallel.attach()
             return module
         self._parallelized = module
         if self.dims.ep_enabled:
@@ -364,4 +366,6 @@ class Parallel3DStrategy(LightscaleStrategy):
             if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # no collectives on errors
                 share_trained_stages(self, network)
             self.pipelined.detach()  # the user's network object again, not this rank's pipeline stages
+        if self.context_parallel is not None:
+            self.context_parallel.detach()  # the Hugging Face models' position hooks
         super().teardown()
