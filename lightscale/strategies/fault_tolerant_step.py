@@ -9,6 +9,7 @@ step and ``ft/replicas`` to the loggers. The settings are checked here, before a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from lightscale.errors import ConfigurationError
 from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
 from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
 
-WHAT = "per-step fault tolerance (bucketed_ddp)"
+WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
 
 def fault_tolerance_of(
@@ -53,16 +54,6 @@ def fault_tolerance_of(
             "use find_unused_parameters=False (every parameter in every step's graph)."
         )
     return ft
-
-
-def refuse_fault_tolerance(fault_tolerant: object, strategy: str) -> None:
-    """Strategies without per-step fault tolerance yet refuse the argument rather than ignore it."""
-    if fault_tolerant not in (None, False):
-        raise ConfigurationError(
-            f"fault_tolerant={fault_tolerant!r} is not available for {strategy} yet: per-step fault tolerance runs on "
-            f"bucketed_ddp (strategy=BucketedDDPStrategy(fault_tolerant=FaultTolerance(...))), and DiLoCo has its "
-            f"own (DiLoCoStrategy(fault_tolerant=...))."
-        )
 
 
 def replica_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
@@ -151,12 +142,13 @@ class FaultTolerantReplica:
         if self.step is not None:
             self.step.begin()
 
-    def optimizer_step(self, apply: Any, closure: Any, gradients: list[Tensor]) -> Any:
-        """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded."""
+    def optimizer_step(self, apply: Any, closure: Any, gradients: list[Tensor] | Callable[[], list[Tensor]]) -> Any:
+        """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded
+        (``gradients`` a callable where backward creates them, as FSDP2's sharded ones)."""
         refuse_step_without_quorum(self.step)
         result = closure()
         assert self.step is not None and self.trainer is not None
-        self.step.average(gradients)
+        self.step.average(gradients() if callable(gradients) else gradients)
         participants = self.step.participants
         committed = self.step.commit()
         number = self.trainer.global_step + 1

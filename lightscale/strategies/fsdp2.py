@@ -56,10 +56,15 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
-from lightscale.strategies.fault_tolerant_step import refuse_fault_tolerance
+from lightscale.strategies.fault_tolerant_shards import (
+    FaultTolerantShards,
+    ShardedFaultTolerantReplica,
+    check_replicate_under_ft,
+)
+from lightscale.strategies.fault_tolerant_step import fault_tolerance_of
 
 
-class FSDP2Strategy(LightscaleStrategy):
+class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     """Fully sharded data parallelism with FSDP2: each unit (transformer block) one all-gather/reduce-scatter group.
 
     Args:
@@ -82,8 +87,9 @@ class FSDP2Strategy(LightscaleStrategy):
             (ZeRO++ qgZ).
         secondary_shard: hpZ: after forward keep shards over groups of this many neighbouring ranks (``"node"``: the
             processes per node), so backward's all-gather stays inside a node (docs/strategies/fsdp2.md, ZeRO++).
-        fault_tolerant: not available for the FSDP2 family yet (hsdp's replicate dimension through torchft is
-            planned): anything but ``False`` is refused, naming ``bucketed_ddp``'s, which runs.
+        fault_tolerant: a :class:`~lightscale.FaultTolerance`: this launch is one replica sharding over its own ranks
+            (``dp_replicate=1``; another value is refused); rank ``r`` averages its gradient shards with rank ``r`` of
+            the other replicas through torchft each step (docs/fault_tolerance.md, hsdp).
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
     Example:
@@ -169,8 +175,10 @@ class FSDP2Strategy(LightscaleStrategy):
         fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
-        refuse_fault_tolerance(fault_tolerant, "the FSDP2 family (fsdp2, hsdp, ...)")
+        ft = fault_tolerance_of(fault_tolerant, compression=compression)
         super().__init__(**kwargs)
+        check_replicate_under_ft(ft, dp_replicate)
+        self.ft = ShardedFaultTolerantReplica(ft) if ft is not None else None
         check_compression(compression, self.precision_rules)
         self.zeropp = ZeroPPOptions(quantized_weights, quantized_gradients, secondary_shard)
         self.zeropp.check_with(reshard_after_forward=reshard_after_forward, compression=compression)

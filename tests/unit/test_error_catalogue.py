@@ -554,6 +554,14 @@ def _ft_bucketed_ddp(compression="none", find_unused_parameters=False, **kwargs)
         )
 
 
+def _ft_hsdp_replicated_inside():
+    from lightscale import FaultTolerance
+    from lightscale.strategies import FSDP2Strategy
+
+    ft = FaultTolerance(replica_id="replica_0", lighthouse="http://127.0.0.1:1")
+    return FSDP2Strategy(fault_tolerant=ft, dp_replicate=2)
+
+
 def _ft_replica():
     from lightscale import FaultTolerance
     from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
@@ -586,12 +594,6 @@ def _diloco_over_ft_inner():
 
     inner = _ft_bucketed_ddp(replica_id="replica_0", lighthouse="http://127.0.0.1:1")
     return DiLoCoStrategy(inner=inner)
-
-
-def _fsdp2_fault_tolerant():
-    from lightscale.strategies import FSDP2Strategy
-
-    return FSDP2Strategy(fault_tolerant=True)
 
 
 def _without_torchft():
@@ -1005,9 +1007,9 @@ CATALOGUE: list[tuple] = [
      _ft_second_step_in_a_batch, CE, r"one optimizer.step\(\) per training batch.*once per training_step"),
     ("ft-step-diloco-inner", "a fault-tolerant bucketed_ddp as DiLoCo's inner strategy (DiLoCo drives it)",
      _diloco_over_ft_inner, CE, r"as DiLoCo's inner strategy would not be fault tolerant.*DiLoCoStrategy instead"),
-    ("ft-step-fsdp2", "fault_tolerant= on the FSDP2 family (not available yet)",
-     lambda: _fsdp2_fault_tolerant(), CE,
-     r"fault_tolerant=True is not available for the FSDP2 family.*runs on bucketed_ddp"),
+    ("ft-hsdp-replicate", "fault_tolerant= on the FSDP2 family with dp_replicate other than 1 (hsdp's default 2)",
+     _ft_hsdp_replicated_inside, CE,
+     r"dp_replicate=2 cannot run with fault_tolerant: each launch is one replica.*use dp_replicate=1"),
     ("diloco-ft-data-part", "a replica_id without a part number below data_shards",
      lambda: _fault_tolerance("data_part", replica_id="alpha", data_shards=2), CE,
      r"replica_id='alpha' does not end with a part number below data_shards=2.*worker_0 \.\.\. worker_1"),

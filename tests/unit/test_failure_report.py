@@ -92,6 +92,7 @@ def test_an_ended_rank_reports_before_it_lets_the_failing_rank_exit(monkeypatch:
     # This process's own state, fresh: an earlier test's fit that raised may have marked it as failed.
     monkeypatch.setattr(failure, "_failed_here", threading.Event())
     monkeypatch.setattr(failure, "_exiting", threading.Event())
+    monkeypatch.setattr(failure, "_pending", [])  # an earlier test's handled failure would send the watcher elsewhere
     monkeypatch.setattr(failure.faulthandler, "dump_traceback", lambda **kwargs: events.append("stack"))
     monkeypatch.setattr(failure.os, "_exit", end)
     with pytest.raises(SystemExit) as ended:
