@@ -31,16 +31,17 @@ from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.fault_tolerant_step import (
+    FaultTolerantCheckpointer,
     FaultTolerantReplica,
     fault_tolerance_of,
     replica_data_shard,
 )
 
 
-class BucketedDDPCheckpointer(Checkpointer):
-    """The portable layout, with every rank's PowerSGD state and the fault-tolerance state beside the random states."""
+class BucketedDDPCheckpointer(FaultTolerantCheckpointer):
+    """The portable layout, with every rank's PowerSGD state (and the fault-tolerance state) beside the random
+    states."""
 
     strategy: BucketedDDPStrategy
 
@@ -54,16 +55,12 @@ class BucketedDDPCheckpointer(Checkpointer):
             states: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(states, powersgd.state_dict())
             state["lightscale"]["powersgd"] = states
-        if strategy.ft is not None:
-            state["lightscale"]["fault_tolerance"] = strategy.ft.checkpoint_state()
         return state
 
     @override
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         super().restore_extras(meta, fitting=fitting)
         strategy = self.strategy
-        if strategy.ft is not None and fitting:
-            strategy.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
         powersgd = strategy.reducer.powersgd if strategy.reducer is not None else None
         states = meta.get("lightscale", {}).get("powersgd")
         if fitting and powersgd is not None and states:

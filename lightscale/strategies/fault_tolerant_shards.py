@@ -125,17 +125,6 @@ class FaultTolerantShards:
         apply = lambda ran: parent(optimizer, ran, model, **kwargs)  # noqa: E731
         return self.ft.optimizer_step(apply, closure, lambda: local_gradient_shards(module))
 
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        state = super().trainer_state(checkpoint)  # type: ignore[misc]
-        if self.ft is not None:
-            state["lightscale"]["fault_tolerance"] = self.ft.checkpoint_state()
-        return state
-
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        super().restore_extras(meta, fitting=fitting)  # type: ignore[misc]
-        if self.ft is not None and fitting:
-            self.ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
-
     def teardown(self) -> None:
         if self.ft is not None:
             self.ft.finish()

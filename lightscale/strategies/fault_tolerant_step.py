@@ -17,11 +17,13 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
 from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+from lightscale.strategies.checkpointer import Checkpointer
 
 WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
@@ -230,3 +232,23 @@ class FaultTolerantReplica:
             rank_zero_info(f"lightscale-ft: {self.summary()}.")
         self.step.shutdown()
         self.step = None
+
+
+class FaultTolerantCheckpointer(Checkpointer):
+    """The portable layout, with the replica's torchft state (``lightscale.fault_tolerance``: its name and count of
+    committed steps) beside the random states when the strategy runs with ``fault_tolerant=``."""
+
+    @override
+    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        state = super().trainer_state(checkpoint)
+        ft: FaultTolerantReplica | None = getattr(self.strategy, "ft", None)  # the families with fault_tolerant=
+        if ft is not None:
+            state["lightscale"]["fault_tolerance"] = ft.checkpoint_state()
+        return state
+
+    @override
+    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
+        super().restore_extras(meta, fitting=fitting)
+        ft: FaultTolerantReplica | None = getattr(self.strategy, "ft", None)
+        if ft is not None and fitting:
+            ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))

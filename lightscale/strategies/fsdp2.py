@@ -61,7 +61,7 @@ from lightscale.strategies.fault_tolerant_shards import (
     ShardedFaultTolerantReplica,
     check_replicate_under_ft,
 )
-from lightscale.strategies.fault_tolerant_step import fault_tolerance_of
+from lightscale.strategies.fault_tolerant_step import FaultTolerantCheckpointer, fault_tolerance_of
 
 
 class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
@@ -97,6 +97,7 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     """
 
     # The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
+    checkpointer_class = FaultTolerantCheckpointer  # the replica's torchft state with fault_tolerant=
     precision_rules = PrecisionRules(
         "fsdp2",
         how={
