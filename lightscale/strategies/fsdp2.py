@@ -60,6 +60,7 @@ from lightscale.strategies.fault_tolerant_shards import (
     FaultTolerantShards,
     ShardedFaultTolerantReplica,
     check_replicate_under_ft,
+    refuse_ft_inside_diloco,
 )
 from lightscale.strategies.fault_tolerant_step import FaultTolerantCheckpointer, fault_tolerance_of
 
@@ -284,6 +285,7 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     shards_parameters = True
 
     def check_inner_settings(self) -> None:
+        refuse_ft_inside_diloco(self.ft)
         if self.offload or self.dp_replicate != 1:
             raise ConfigurationError(
                 f"inner=FSDP2Strategy(offload={self.offload}, dp_replicate={self.dp_replicate}) cannot run inside a "

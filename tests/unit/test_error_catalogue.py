@@ -596,6 +596,14 @@ def _diloco_over_ft_inner():
     return DiLoCoStrategy(inner=inner)
 
 
+def _diloco_over_ft_fsdp2():
+    from lightscale import FaultTolerance
+    from lightscale.strategies import DiLoCoStrategy, FSDP2Strategy
+
+    ft = FaultTolerance(replica_id="replica_0", lighthouse="http://127.0.0.1:1")
+    return DiLoCoStrategy(inner=FSDP2Strategy(fault_tolerant=ft, dp_replicate=1))
+
+
 def _without_torchft():
     import importlib.util
 
@@ -1007,6 +1015,9 @@ CATALOGUE: list[tuple] = [
      _ft_second_step_in_a_batch, CE, r"one optimizer.step\(\) per training batch.*once per training_step"),
     ("ft-step-diloco-inner", "a fault-tolerant bucketed_ddp as DiLoCo's inner strategy (DiLoCo drives it)",
      _diloco_over_ft_inner, CE, r"as DiLoCo's inner strategy would not be fault tolerant.*DiLoCoStrategy instead"),
+    ("ft-fsdp2-diloco-inner", "a fault-tolerant FSDP2 family strategy as DiLoCo's inner strategy (DiLoCo drives it)",
+     _diloco_over_ft_fsdp2, CE,
+     r"FSDP2Strategy\(fault_tolerant=...\) as DiLoCo's inner strategy would not be fault tolerant.*DiLoCoStrategy"),
     ("ft-hsdp-replicate", "fault_tolerant= on the FSDP2 family with dp_replicate other than 1 (hsdp's default 2)",
      _ft_hsdp_replicated_inside, CE,
      r"dp_replicate=2 cannot run with fault_tolerant: each launch is one replica.*use dp_replicate=1"),
