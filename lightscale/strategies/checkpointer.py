@@ -6,9 +6,11 @@ The strategy keeps Lightning's entry points (``save_checkpoint``, ``load_checkpo
 hands them to its :class:`Checkpointer`, built from ``checkpoint_format`` and ``async_save``. What lightscale keeps
 beside Lightning's state is here too: every rank's random state, the data shards' loader positions, the exportable
 models, the multi-node shared-directory check and the background writer of ``async_save=True``. A family whose
-engine owns its state (ZeRO), whose layout holds more (DiLoCo's workers, bucketed_ddp's PowerSGD and fault-tolerance
-state) or whose ranks hold part of the model (parallel_3d's stages) names a subclass as its ``checkpointer_class``
-and overrides the methods that differ.
+engine owns its state (ZeRO), whose layout holds more (DiLoCo's workers, bucketed_ddp's PowerSGD, the
+fault-tolerance state of bucketed_ddp and the FSDP2 family) or whose ranks hold part of the model (parallel_3d's
+stages) names a subclass as its ``checkpointer_class`` and overrides the methods that differ. It is built in
+``LightscaleStrategy.__init__``, before a subclass's own attributes exist: read those from ``self.strategy`` when
+a method runs, not in ``__init__``.
 
 Example:
     >>> class StagesCheckpointer(Checkpointer):

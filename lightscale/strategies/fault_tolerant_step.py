@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -77,6 +78,18 @@ def refuse_several_optimizers(count: int) -> None:
         )
 
 
+def refuse_weight_averaging(callbacks: list[Any]) -> None:
+    """Before the first quorum: a heal moves the model, optimizers and position, not a callback's running average,
+    so a healed replica's EMA/SWA would differ from its peers' (and each replica's averaged checkpoint)."""
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
+    if averaging:
+        raise ConfigurationError(
+            f"fault_tolerant= does not carry weight averages when a replica heals, and the trainer has {averaging}: "
+            f"a healed replica's average would differ from its peers'. Remove the averaging callback, or leave "
+            f"fault_tolerant unset."
+        )
+
+
 def refuse_step_without_quorum(step: FaultTolerantStep | None) -> None:
     """A second ``optimizer.step()`` in one batch (manual optimization) finds the batch's quorum already committed."""
     if step is None or not step.open:
@@ -112,6 +125,7 @@ class FaultTolerantReplica:
         self.trainer, self.loader = trainer, loader
         if self.step is None:
             refuse_several_optimizers(len(trainer.optimizers))
+            refuse_weight_averaging(trainer.callbacks)
             group = dist.group.WORLD if trainer.world_size > 1 else None
             self.step = FaultTolerantStep(
                 self.settings,

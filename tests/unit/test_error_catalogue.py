@@ -576,7 +576,18 @@ def _ft_several_optimizers():
     def sgd():
         return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
-    return _ft_replica().join(SimpleNamespace(optimizers=[sgd(), sgd()]), loader=None)
+    return _ft_replica().join(SimpleNamespace(optimizers=[sgd(), sgd()], callbacks=[]), loader=None)
+
+
+def _ft_weight_averaging():
+    """An EMA (Lightning's WeightAveraging) with per-step fault tolerance: refused at the first quorum."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    trainer = SimpleNamespace(optimizers=[torch.optim.SGD([torch.zeros(1, requires_grad=True)])], callbacks=[])
+    trainer.callbacks.append(WeightAveraging())
+    return _ft_replica().join(trainer, loader=None)
 
 
 def _ft_second_step_in_a_batch():
@@ -1011,6 +1022,8 @@ CATALOGUE: list[tuple] = [
      CE, r"find_unused_parameters=True cannot run with fault_tolerant.*replicas drift apart"),
     ("ft-step-optimizers", "per-step fault tolerance with several optimizers (manual optimization)",
      _ft_several_optimizers, CE, r"runs one optimizer, stepped at most once per training batch.*returned 2"),
+    ("ft-step-averaging", "per-step fault tolerance with a weight-averaging callback (a heal does not carry it)",
+     _ft_weight_averaging, CE, r"does not carry weight averages when a replica heals.*\['WeightAveraging'\]"),
     ("ft-step-manual-steps", "per-step fault tolerance with a second optimizer.step() in one batch",
      _ft_second_step_in_a_batch, CE, r"one optimizer.step\(\) per training batch.*once per training_step"),
     ("ft-step-diloco-inner", "a fault-tolerant bucketed_ddp as DiLoCo's inner strategy (DiLoCo drives it)",
