@@ -80,10 +80,14 @@ def test_the_readme_has_code_to_run() -> None:
     assert any(_in_process(argv) for argv in _commands()) and any(not _in_process(argv) for argv in _commands())
 
 
-def test_lines_run_elsewhere_name_a_test_that_exists() -> None:
-    for where in RUN_ELSEWHERE.values():
+def test_lines_run_elsewhere_name_a_test_that_runs_them() -> None:
+    for line, where in RUN_ELSEWHERE.items():
         path, name = where.split("::")
-        assert f"def {name}(" in (ROOT / path).read_text(), where
+        source = (ROOT / path).read_text()
+        assert f"def {name}(" in source, where
+        body = source.split(f"def {name}(")[1].split("\ndef ")[0]
+        missing = [arg for arg in line.split()[1:] if f'"{arg}"' not in body]  # the test's command is the line's
+        assert not missing, f"{where} no longer runs {line!r}: {missing} not in its command"
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
