@@ -112,7 +112,9 @@ def _launches(tmp_path: Path, min_replicas: int, script: str = __file__) -> Any:
     # heartbeating and is dropped after 2 s all the same.
     with lighthouse(min_replicas, join_timeout_ms=30_000) as address:
         port = int(address.rsplit(":", 1)[1])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
+        # Not an earlier test's seed_everything (PL_GLOBAL_SEED seeds Lightning's samplers; the references use 0).
+        inherited = {k: v for k, v in os.environ.items() if k != "PL_GLOBAL_SEED"}
+        env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
         (tmp_path / "events").mkdir()
         procs: list[subprocess.Popen[bytes]] = []
 
