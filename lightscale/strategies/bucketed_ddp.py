@@ -19,7 +19,6 @@ from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
-from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode
@@ -35,6 +34,7 @@ from lightscale.strategies.fault_tolerant_step import (
     FaultTolerantCheckpointer,
     FaultTolerantReplica,
     fault_tolerance_of,
+    refuse_ft_inside_diloco,
     replica_data_shard,
 )
 
@@ -182,11 +182,7 @@ class BucketedDDPStrategy(LightscaleStrategy):
     def check_inner_settings(self) -> None:
         """Every setting nests (the reducer runs over the worker's ranks) but ``fault_tolerant``, which DiLoCo
         would never run: its workers fail and heal through ``DiLoCoStrategy(fault_tolerant=...)``."""
-        if self.fault_tolerance is not None:
-            raise ConfigurationError(
-                "BucketedDDPStrategy(fault_tolerant=...) as DiLoCo's inner strategy would not be fault tolerant: "
-                "DiLoCo drives the inner reducer itself. Pass fault_tolerant= to DiLoCoStrategy instead."
-            )
+        refuse_ft_inside_diloco(self.fault_tolerance, "BucketedDDPStrategy")
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(

@@ -34,15 +34,6 @@ def check_replicate_under_ft(ft: FaultTolerance | None, dp_replicate: int) -> No
         )
 
 
-def refuse_ft_inside_diloco(ft: FaultTolerantReplica | None) -> None:
-    """DiLoCo drives its inner strategy's hooks itself: a fault-tolerant inner replica's quorum would never run."""
-    if ft is not None:
-        raise ConfigurationError(
-            "FSDP2Strategy(fault_tolerant=...) as DiLoCo's inner strategy would not be fault tolerant: DiLoCo drives "
-            "the inner strategy itself. Pass fault_tolerant= to DiLoCoStrategy instead."
-        )
-
-
 def local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 

@@ -78,6 +78,15 @@ def refuse_several_optimizers(count: int) -> None:
         )
 
 
+def refuse_ft_inside_diloco(ft: object | None, strategy: str) -> None:
+    """DiLoCo drives its inner strategy's hooks itself: a fault-tolerant inner replica's quorum would never run."""
+    if ft is not None:
+        raise ConfigurationError(
+            f"{strategy}(fault_tolerant=...) as DiLoCo's inner strategy would not be fault tolerant: DiLoCo drives "
+            "the inner strategy itself. Pass fault_tolerant= to DiLoCoStrategy instead."
+        )
+
+
 def refuse_weight_averaging(callbacks: list[Any]) -> None:
     """Before the first quorum: a heal moves the model, optimizers and position, not a callback's running average,
     so a healed replica's EMA/SWA would differ from its peers' (and each replica's averaged checkpoint)."""

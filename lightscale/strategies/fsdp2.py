@@ -54,15 +54,14 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
+from lightscale.strategies import fault_tolerant_step
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.fault_tolerant_shards import (
     FaultTolerantShards,
     ShardedFaultTolerantReplica,
     check_replicate_under_ft,
-    refuse_ft_inside_diloco,
 )
-from lightscale.strategies.fault_tolerant_step import FaultTolerantCheckpointer, fault_tolerance_of
 
 
 class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
@@ -98,7 +97,7 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     """
 
     # The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
-    checkpointer_class = FaultTolerantCheckpointer  # the replica's torchft state with fault_tolerant=
+    checkpointer_class = fault_tolerant_step.FaultTolerantCheckpointer  # torchft state with fault_tolerant=
     precision_rules = PrecisionRules(
         "fsdp2",
         how={
@@ -177,7 +176,7 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
         fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
-        ft = fault_tolerance_of(fault_tolerant, compression=compression)
+        ft = fault_tolerant_step.fault_tolerance_of(fault_tolerant, compression=compression)
         super().__init__(**kwargs)
         check_replicate_under_ft(ft, dp_replicate)
         self.ft = ShardedFaultTolerantReplica(ft) if ft is not None else None
@@ -285,7 +284,7 @@ class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
     shards_parameters = True
 
     def check_inner_settings(self) -> None:
-        refuse_ft_inside_diloco(self.ft)
+        fault_tolerant_step.refuse_ft_inside_diloco(self.ft, "FSDP2Strategy")
         if self.offload or self.dp_replicate != 1:
             raise ConfigurationError(
                 f"inner=FSDP2Strategy(offload={self.offload}, dp_replicate={self.dp_replicate}) cannot run inside a "
