@@ -16,10 +16,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ class _Bucket:
     wire: Tensor | None = None  # compressed copy sent over the network
     pending: int = 0
     handle: dist.Work | None = None
+    then: Any = None  # the second reduction's work (``after_reduce``)
     ready: set[int] = field(default_factory=set)
 
     def slot(self, index: int) -> Tensor:
@@ -108,6 +109,10 @@ class BucketedGradReducer:
                 self.buckets, rank=powersgd_rank, warmup_steps=powersgd_warmup_steps, process_group=process_group
             )
         self._compressing = False  # PowerSGD on in this backward (decided at its first gradient)
+        # A second reduction of each averaged bucket (fault tolerance: across replicas), launched in bucket order as
+        # each bucket's first finishes, so it overlaps the rest of backward; its work's wait() when backward ends.
+        self.after_reduce: Callable[[Tensor], Any] | None = None
+        self._next_after = 0
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -150,13 +155,27 @@ class BucketedGradReducer:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
-                return
+                break
             if self._compressing:
                 self.powersgd.launch(self._next_launch)
             else:
                 payload = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
                 bucket.handle = dist.all_reduce(payload, group=self.process_group, async_op=True)
             self._next_launch += 1
+        self._launch_after(wait=False)
+
+    def _launch_after(self, *, wait: bool) -> None:
+        """``after_reduce`` of each bucket whose own all-reduce finished, strictly in bucket order (the same order on
+        every rank); ``wait``: of every launched bucket."""
+        if self.after_reduce is None or self._compressing:
+            return
+        while self._next_after < self._next_launch:
+            bucket = self.buckets[self._next_after]
+            if not wait and not bucket.handle.is_completed():
+                return
+            _wait_bucket(bucket)
+            bucket.then = self.after_reduce(bucket.flat)
+            self._next_after += 1
 
     def _finish_backward(self) -> None:
         try:
@@ -175,6 +194,7 @@ class BucketedGradReducer:
             self._launch_in_order()
             if self.find_unused_parameters:
                 self._drop_grads_unused_everywhere(unused)
+            self._launch_after(wait=True)
             self._wait_launched()
             if self.powersgd is not None:
                 self.powersgd.step += 1  # one synchronized backward per optimizer step
@@ -197,16 +217,27 @@ class BucketedGradReducer:
             self.powersgd.finish(self._next_launch)
             return
         for bucket in self.buckets[: self._next_launch]:
-            bucket.handle.wait()
-            if bucket.wire is not None:
-                bucket.flat.copy_(bucket.wire)
+            if bucket.then is not None:
+                bucket.then.wait()  # its own all-reduce was waited before the second one started
+            else:
+                _wait_bucket(bucket)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.handle = None
+            bucket.then = None
         self._next_launch = 0
+        self._next_after = 0
         self._graph_task = None
+
+
+def _wait_bucket(bucket: _Bucket) -> None:
+    if bucket.handle is not None:
+        bucket.handle.wait()
+        bucket.handle = None
+        if bucket.wire is not None:
+            bucket.flat.copy_(bucket.wire)
 
 
 def validate_reducer_settings(bucket_cap_mb: float, first_bucket_cap_mb: float, compression: str) -> None:

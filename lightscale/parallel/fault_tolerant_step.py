@@ -2,13 +2,14 @@
 
 Each replica (a launch of one or more ranks) averages its gradients over its own ranks first (the bucketed reducer);
 then rank ``r`` of every replica in this step's quorum averages the same buckets with rank ``r`` of the others
-through torchft (sum over the quorum, divided by its size). ``should_commit`` gates the optimizer step: when a
+through torchft (sum over the quorum, divided by its size), each bucket as soon as its own average is in, while
+backward goes on. ``should_commit`` gates the optimizer step: when a
 replica of the step failed, no survivor applies it. A replica that (re)joins behind the others loads a live peer's
 state inside :meth:`FaultTolerantStep.begin` (torchft's synchronous quorum), so it trains that step like them.
 
 Example (each rank of each replica; ``TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510``):
     >>> step = FaultTolerantStep(FaultTolerance(replica_id="replica_0"), state_dict=..., load_state_dict=...)
-    >>> step.begin(); loss_fn(model(x)).backward(); step.average(grads)
+    >>> step.begin(); loss_fn(model(x)).backward(); step.average(grads)  # or step.launch(bucket) during backward
     >>> if step.commit(): optimizer.step()
 """
 
@@ -82,11 +83,16 @@ class FaultTolerantStep:
         self.open = True
 
     @torch.no_grad()
+    def launch(self, tensor: Tensor) -> Any:
+        """Start averaging ``tensor`` in place over this step's replicas; the work's ``wait()`` never raises (an error
+        is recorded by the manager: :meth:`commit` answers False)."""
+        return self.manager.allreduce(tensor)
+
     def average(self, tensors: Iterable[Tensor]) -> None:
         """Average ``tensors`` in place over this step's replicas (all launched, then all waited on)."""
-        works = [self.manager.allreduce(tensor) for tensor in tensors]
+        works = [self.launch(tensor) for tensor in tensors]
         for work in works:
-            work.wait()  # an error is recorded by the manager: commit() answers False
+            work.wait()
 
     def commit(self) -> bool:
         """Whether every replica of the step succeeded: the optimizer steps only then (the same answer everywhere)."""

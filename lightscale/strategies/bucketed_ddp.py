@@ -18,13 +18,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from typing_extensions import override
 
-from lightscale.data.data_shard import DataShard
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
 from lightscale.parallel.fault_tolerance import FaultTolerance
-from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.parallelize import ParallelizeOptions
 from lightscale.parallel.powersgd import validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
@@ -32,10 +30,10 @@ from lightscale.plugins.precision_contract import PrecisionRules, enforce_contra
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.fault_tolerant_step import (
     FaultTolerantCheckpointer,
+    FaultTolerantHooks,
     FaultTolerantReplica,
     fault_tolerance_of,
     refuse_ft_inside_diloco,
-    replica_data_shard,
 )
 
 
@@ -74,7 +72,7 @@ class BucketedDDPCheckpointer(FaultTolerantCheckpointer):
             powersgd.load_state_dict(states[strategy.global_rank if same_world else 0], residuals=same_world)
 
 
-class BucketedDDPStrategy(LightscaleStrategy):
+class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
     """Data parallel training with bucketed, backward-overlapped gradient all-reduce.
 
     Args:
@@ -162,6 +160,8 @@ class BucketedDDPStrategy(LightscaleStrategy):
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         self.reducer = self._reducer(module, group=None)
+        if self.ft is not None:  # each bucket, once averaged over this replica's ranks, across replicas
+            self.reducer.after_reduce = self.ft.launch
         return module
 
     def _reducer(self, module: nn.Module, *, group: ProcessGroup | None) -> BucketedGradReducer:
@@ -208,34 +208,6 @@ class BucketedDDPStrategy(LightscaleStrategy):
             self.reducer.remove()
             self.reducer = None
 
-    # ---- fault_tolerant=: a torchft quorum per step (lightscale/strategies/fault_tolerant_step.py) -----------
-    @override
-    def data_shard_of(self, dims: ParallelDims) -> DataShard:
-        """With ``data_shards``, a fault-tolerant replica reads its own part of the dataset, split over its ranks."""
-        shard = super().data_shard_of(dims)
-        return shard if self.fault_tolerance is None else replica_data_shard(self.fault_tolerance, shard)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        loader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer
-        if self.ft is not None and trainer.training:
-            self.ft.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
-        return loader
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self.ft is not None:
-            self.ft.begin(self.lightning_module.trainer, batch_idx)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.ft is None or self.reducer is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        apply = lambda ran: super(BucketedDDPStrategy, self).optimizer_step(optimizer, ran, model, **kwargs)  # noqa: E731
-        return self.ft.optimizer_step(apply, closure, [bucket.flat for bucket in self.reducer.buckets])
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.reducer is not None:
@@ -248,8 +220,6 @@ class BucketedDDPStrategy(LightscaleStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.ft is not None:
-            self.ft.finish()
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None

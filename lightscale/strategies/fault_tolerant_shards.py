@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import Trainer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fault_tolerance import FaultTolerance
-from lightscale.parallel.mesh import ParallelDims
-from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica, replica_data_shard
+from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
 
 
 def check_replicate_under_ft(ft: FaultTolerance | None, dp_replicate: int) -> None:
@@ -53,7 +50,12 @@ def like(value: Any, template: Any) -> Any:
 
 
 class ShardedFaultTolerantReplica(FaultTolerantReplica):
-    """A replica whose ranks hold DTensor shards: they travel as this rank's local shards."""
+    """A replica whose ranks hold DTensor shards: they travel as this rank's local shards, and its gradient shards
+    are averaged across replicas once backward ran (FSDP2's reduce-scatter done)."""
+
+    def gradients_after_backward(self) -> list[Tensor]:
+        assert self.trainer is not None
+        return local_gradient_shards(self.trainer.lightning_module)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -94,38 +96,3 @@ def local_gradient_shards(module: nn.Module) -> list[Tensor]:
     every replica, since every replica shards alike)."""
     grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
     return [grad for grad in grads if grad.numel() > 0]
-
-
-class FaultTolerantShards:
-    """The FSDP2 family's hooks for ``fault_tolerant=`` (mixed in before the strategy base): inert when off."""
-
-    ft: ShardedFaultTolerantReplica | None = None
-
-    def data_shard_of(self, dims: ParallelDims) -> DataShard:
-        shard = super().data_shard_of(dims)  # type: ignore[misc]
-        return shard if self.ft is None else replica_data_shard(self.ft.settings, shard)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        loader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer: Trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if self.ft is not None and trainer.training:
-            self.ft.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
-        return loader
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self.ft is not None:
-            self.ft.begin(self.lightning_module.trainer, batch_idx)  # type: ignore[attr-defined]
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        parent = super().optimizer_step  # type: ignore[misc]
-        if self.ft is None:
-            return parent(optimizer, closure, model, **kwargs)
-        module = self.lightning_module  # type: ignore[attr-defined]
-        apply = lambda ran: parent(optimizer, ran, model, **kwargs)  # noqa: E731
-        return self.ft.optimizer_step(apply, closure, lambda: local_gradient_shards(module))
-
-    def teardown(self) -> None:
-        if self.ft is not None:
-            self.ft.finish()
-        super().teardown()  # type: ignore[misc]

@@ -5,11 +5,12 @@ A healing replica receives the Lightning state a peer holds at the start of the 
 optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its
 sampler, lightscale's, reads on from there in its own part of the data). Rank 0 of each replica logs one line per
 step and ``ft/replicas`` to the loggers. The settings are checked here, before any process starts.
+:class:`FaultTolerantHooks` are the strategy hooks both families with ``fault_tolerant=`` mix in (bucketed_ddp,
+and the FSDP2 family through its sharded replica, strategies/fault_tolerant_shards.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
 from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.strategies.checkpointer import Checkpointer
 
 WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
@@ -167,13 +169,23 @@ class FaultTolerantReplica:
         if self.step is not None:
             self.step.begin()
 
-    def optimizer_step(self, apply: Any, closure: Any, gradients: list[Tensor] | Callable[[], list[Tensor]]) -> Any:
-        """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded
-        (``gradients`` a callable where backward creates them, as FSDP2's sharded ones)."""
+    def launch(self, tensor: Tensor) -> Any:
+        """Start averaging ``tensor`` over the step's replicas (the bucketed reducer, as each bucket is in)."""
+        refuse_step_without_quorum(self.step)
+        assert self.step is not None
+        return self.step.launch(tensor)
+
+    def gradients_after_backward(self) -> list[Tensor]:
+        """What is left to average across replicas once backward ran: nothing here, the bucketed reducer averaged
+        each bucket as it was in (``after_reduce`` = :meth:`launch`); a sharded replica's local shards."""
+        return []
+
+    def optimizer_step(self, apply: Any, closure: Any) -> Any:
+        """Forward and backward, the average over the step's replicas, then ``apply`` only if every one succeeded."""
         refuse_step_without_quorum(self.step)
         result = closure()
         assert self.step is not None and self.trainer is not None
-        self.step.average(gradients() if callable(gradients) else gradients)
+        self.step.average(self.gradients_after_backward())
         participants = self.step.participants
         committed = self.step.commit()
         number = self.trainer.global_step + 1
@@ -257,6 +269,43 @@ class FaultTolerantReplica:
         self.step = None
 
 
+class FaultTolerantHooks:
+    """The strategy hooks ``fault_tolerant=`` adds to a data-parallel family (mixed in before the strategy base;
+    inert when ``ft`` is ``None``): the replica's data part, its first quorum before the data is read, a quorum per
+    batch, the gated optimizer step and the shutdown."""
+
+    ft: FaultTolerantReplica | None = None
+
+    def data_shard_of(self, dims: ParallelDims) -> DataShard:
+        """With ``data_shards``, a fault-tolerant replica reads its own part of the dataset, split over its ranks."""
+        shard = super().data_shard_of(dims)  # type: ignore[misc]
+        return shard if self.ft is None else replica_data_shard(self.ft.settings, shard)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        loader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer: Trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if self.ft is not None and trainer.training:
+            self.ft.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
+        return loader
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self.ft is not None:
+            self.ft.begin(self.lightning_module.trainer, batch_idx)  # type: ignore[attr-defined]
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        parent = super().optimizer_step  # type: ignore[misc]
+        if self.ft is None:
+            return parent(optimizer, closure, model, **kwargs)
+        apply = lambda ran: parent(optimizer, ran, model, **kwargs)  # noqa: E731
+        return self.ft.optimizer_step(apply, closure)
+
+    def teardown(self) -> None:
+        if self.ft is not None:
+            self.ft.finish()
+        super().teardown()  # type: ignore[misc]
+
+
 class FaultTolerantCheckpointer(Checkpointer):
     """The portable layout, with the replica's torchft state (``lightscale.fault_tolerance``: its name and count of
     committed steps) beside the random states when the strategy runs with ``fault_tolerant=``."""
@@ -264,7 +313,7 @@ class FaultTolerantCheckpointer(Checkpointer):
     @override
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         state = super().trainer_state(checkpoint)
-        ft: FaultTolerantReplica | None = getattr(self.strategy, "ft", None)  # the families with fault_tolerant=
+        ft = _replica_of(self.strategy)
         if ft is not None:
             state["lightscale"]["fault_tolerance"] = ft.checkpoint_state()
         return state
@@ -272,6 +321,11 @@ class FaultTolerantCheckpointer(Checkpointer):
     @override
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         super().restore_extras(meta, fitting=fitting)
-        ft: FaultTolerantReplica | None = getattr(self.strategy, "ft", None)
+        ft = _replica_of(self.strategy)
         if ft is not None and fitting:
             ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
+
+
+def _replica_of(strategy: object) -> FaultTolerantReplica | None:
+    """The replica of a family with ``fault_tolerant=`` (``None``: off, or a family without it)."""
+    return strategy.ft if isinstance(strategy, FaultTolerantHooks) else None

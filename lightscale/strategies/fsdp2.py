@@ -58,13 +58,12 @@ from lightscale.strategies import fault_tolerant_step
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.fault_tolerant_shards import (
-    FaultTolerantShards,
     ShardedFaultTolerantReplica,
     check_replicate_under_ft,
 )
 
 
-class FSDP2Strategy(FaultTolerantShards, LightscaleStrategy):
+class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
     """Fully sharded data parallelism with FSDP2: each unit (transformer block) one all-gather/reduce-scatter group.
 
     Args:

@@ -597,7 +597,7 @@ def _ft_second_step_in_a_batch():
 
     replica = _ft_replica()
     replica.step = FaultTolerantStep(replica.settings, state_dict=dict, load_state_dict=print, manager=object())
-    return replica.optimizer_step(apply=None, closure=None, gradients=[])
+    return replica.optimizer_step(apply=None, closure=None)
 
 
 def _diloco_over_ft_inner():

@@ -8,7 +8,9 @@ fits a user's model in this process, its torchft ``Manager`` replaced by a fake 
   and momentum unchanged, torchft's step count not advanced), it is counted as dropped and logged ``ft/replicas`` 0,
   and the next step trains on clean gradients;
 * manual optimization: one ``optimizer.step()`` per batch works like automatic optimization; several optimizers,
-  or a second step in one batch, are refused before they run (one quorum and one commit per batch).
+  or a second step in one batch, are refused before they run (one quorum and one commit per batch);
+* the reduction across replicas runs during backward, bucket by bucket in the reducer's order (overlapped with the
+  rest of backward, as torch DDP's comm hook), not after it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class FakeManager:
         self._step = 0
         self.quorums = 0
         self.reductions = 0
+        self.reduced: list[tuple[int, bool]] = []  # (elements, inside backward) of each all-reduce
         self._errored: Exception | None = None
 
     def start_quorum(
@@ -83,6 +86,7 @@ class FakeManager:
         if self._errored is not None:
             return _Work(True)  # torchft's _DummyWork: a no-op after the step's first error, the tensor untouched
         self.reductions += 1
+        self.reduced.append((tensor.numel(), torch._C._current_graph_task_id() != -1))
         if self.quorums in self.collective_fails:
             tensor.fill_(float("nan"))
             self.report_error(RuntimeError("gloo: connection reset by peer"))
@@ -189,14 +193,18 @@ class States(pl.Callback):
         self.after.append((params, momenta))
 
 
-def _fit(module: pl.LightningModule, manager: FakeManager, steps: int) -> dict[str, Any]:
+def _fit(module: pl.LightningModule, manager: FakeManager, steps: int, bucket_cap_mb: float = 25.0) -> dict[str, Any]:
     """The fit in a forked one-rank process (``run_distributed``): its process group dies with it, not with pytest's
     process, which later unit tests share. What the fit left: parameters, states per batch, the fake's counts."""
-    return run_distributed(_fit_in_this_process, module, manager, steps, world_size=1, timeout_s=120)[0]
+    return run_distributed(_fit_in_this_process, module, manager, steps, bucket_cap_mb, world_size=1, timeout_s=120)[0]
 
 
-def _fit_in_this_process(module: pl.LightningModule, manager: FakeManager, steps: int) -> dict[str, Any]:
-    strategy = BucketedDDPStrategy(fault_tolerant=SETTINGS)
+def _fit_in_this_process(
+    module: pl.LightningModule, manager: FakeManager, steps: int, bucket_cap_mb: float
+) -> dict[str, Any]:
+    strategy = BucketedDDPStrategy(
+        fault_tolerant=SETTINGS, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb
+    )
     strategy.ft = FaultTolerantReplica(SETTINGS, manager=manager)  # the fake in place of torchft's
     metrics, states = Metrics(), States()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=metrics,
@@ -215,6 +223,7 @@ def _fit_in_this_process(module: pl.LightningModule, manager: FakeManager, steps
         "committed": manager.current_step(),
         "quorums": manager.quorums,
         "reductions": manager.reductions,
+        "reduced": manager.reduced,
         "global_step": trainer.global_step,
         "summary": strategy.ft.summary(),
     }
@@ -264,6 +273,15 @@ def test_the_step_applies_the_mean_over_the_replicas_that_took_part() -> None:
     fit = _fit(Regression(), FakeManager(participants=2), steps=4)
     _assert_equal(fit["params"], _plain_sgd(4))
     assert fit["committed"] == 4 and fit["quorums"] == 4 and fit["replicas"] == [2.0] * 4
+
+
+def test_each_bucket_is_averaged_across_replicas_during_backward_in_bucket_order() -> None:
+    """Buckets of one parameter each (a 1-byte cap): the reducer's order is the parameters' reversed (the last layer's
+    gradients come first in backward), and each bucket's all-reduce across replicas starts inside backward."""
+    fit = _fit(Regression(), FakeManager(participants=2), steps=3, bucket_cap_mb=1e-6)
+    sizes = [p.numel() for p in _network().parameters()][::-1]  # [1, 12, 12, 60]
+    assert fit["reduced"] == [(size, True) for size in sizes] * 3
+    _assert_equal(fit["params"], _plain_sgd(3))  # the same mean as one reduction after backward
 
 
 @pytest.mark.parametrize("failure", ["peer_fails", "collective_fails"])
