@@ -1,5 +1,5 @@
 """Shared fixtures: one tokenized copy of the default corpus per test session, one OpenMP thread per process, a real
-S3 server on loopback per module that asks for one."""
+S3 server on loopback per module that asks for one, each test's ``os.environ`` put back after it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """``os.environ`` as it was before the test: what a test's run writes (``seed_everything``'s ``PL_GLOBAL_SEED``,
+    Lightning's ``LOCAL_RANK``/``WORLD_SIZE``) would reach later tests and the processes they start."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,14 @@ class Checkpointer:
                 f"async_save=True is not supported by {type(self.strategy).__name__}: it does not save through the "
                 f"portable checkpoint writer. Strategies with async_save: {supported}."
             )
+        overriding = _overrides_save_checkpoint(type(self.strategy))
+        if overriding is not None:
+            raise ConfigurationError(
+                f"async_save=True is not supported with {overriding}.save_checkpoint: it overrides the strategy's "
+                "hand-over to its Checkpointer, whose background writer would publish the checkpoint without (or over) "
+                "what the override writes. Override `save` on a Checkpointer subclass named as the "
+                "strategy's `checkpointer_class` instead, or use async_save=False."
+            )
         return AsyncCheckpointWriter(timeout=self.strategy.timeout)
 
     def wait(self) -> None:
@@ -231,6 +239,13 @@ class Checkpointer:
 def _saves_portable_layout(cls: type[Any]) -> bool:
     """Whether ``cls``'s checkpointer saves through :meth:`Checkpointer.save` (what ``async_save`` runs in)."""
     return cls.checkpointer_class.save is Checkpointer.save
+
+
+def _overrides_save_checkpoint(cls: type[Any]) -> str | None:
+    """The class that replaces the base's one-line ``save_checkpoint`` (lightscale/strategies/base.py), or ``None``."""
+    owner = next(klass for klass in cls.__mro__ if "save_checkpoint" in klass.__dict__)
+    is_base = owner.__module__ == "lightscale.strategies.base" and owner.__name__ == "LightscaleStrategy"
+    return None if is_base else owner.__name__
 
 
 # What a subclass of the former checkpointing base class (strategies/checkpoint_hooks.py) overrode: the Checkpointer's.

@@ -4,6 +4,7 @@ such as ``trainer_state`` on the strategy) is refused when the class is defined,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +38,22 @@ def test_every_strategy_owns_a_checkpointer_built_from_its_settings() -> None:
 def test_async_save_is_refused_where_the_checkpointer_does_not_save_the_layout() -> None:
     with pytest.raises(ConfigurationError, match=r"async_save=True is not supported by DiLoCoStrategy.*FSDP2Strategy"):
         DiLoCoStrategy(workers=2, async_save=True)
+
+
+class SidecarDDP(BucketedDDPStrategy):  # a user's strategy that writes a file beside Lightning's checkpoint
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        (Path(filepath) / "sidecar.txt").write_text("mine")
+
+
+def test_async_save_is_refused_where_the_strategy_overrides_save_checkpoint() -> None:
+    # The background writer publishes the directory after the override wrote its sidecar into it: async_save cannot
+    # honour it, so it is refused before work starts, naming the override and where saving code goes.
+    with pytest.raises(ConfigurationError, match=r"async_save=True is not supported with SidecarDDP\.save_checkpoint.*"
+                       r"`save` on a Checkpointer subclass.*checkpointer_class.*async_save=False"):  # fmt: skip
+        SidecarDDP(async_save=True)
+    assert SidecarDDP().checkpointer.writer is None  # synchronous saving is the user's own
+    assert TaggedDDP(async_save=True).checkpointer.writer is not None  # a Checkpointer subclass keeps async_save
 
 
 class Extras:

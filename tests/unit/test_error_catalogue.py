@@ -65,6 +65,16 @@ def _ddp(**kwargs):
     return BucketedDDPStrategy(**kwargs)
 
 
+def _save_checkpoint_override():
+    from lightscale.strategies import BucketedDDPStrategy
+
+    class MyDDP(BucketedDDPStrategy):  # a user's subclass writing its own save
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    return MyDDP
+
+
 def _p3d(**kwargs):
     from lightscale.strategies import Parallel3DStrategy
 
@@ -919,6 +929,9 @@ CATALOGUE: list[tuple] = [
     ("ckpt-format-file-async", "async_save with checkpoint_format='file'",
      lambda: _ddp(async_save=True, checkpoint_format="file"), CE,
      r"async_save=True writes the portable layout only; checkpoint_format='file'.*checkpoint_format='dcp'"),
+    ("ckpt-async-save-override", "async_save with a strategy subclass that overrides save_checkpoint",
+     lambda: _save_checkpoint_override()(async_save=True), CE,
+     r"async_save=True is not supported with MyDDP\.save_checkpoint: it overrides.*`save` on a Checkpointer subclass"),
     ("ckpt-url-missing-package", "a checkpoint URL whose fsspec filesystem is not installed (gs:// without gcsfs)",
      lambda: _checkpoint_location("gs://bucket/run/last.ckpt"), CE,
      r"'gs://bucket/run/last\.ckpt' needs the gcsfs package for gs:// URLs, which is not installed\. Install it"),
