@@ -1,16 +1,17 @@
 """Per-step fault tolerance (``BucketedDDPStrategy(fault_tolerant=...)``) ÷ plain bucketed_ddp, and what a fault costs.
 
-Every side trains the tiny GPT of the GPT recipe on 2 CPU data-parallel ranks through ``lightscale.Trainer``:
-2 fault-tolerant replicas of 1 rank (``ft``: two launches and a lighthouse); plain ``bucketed_ddp`` as two launches
-of 1 rank (``nodes``: ``num_nodes=2, devices=1``, a node rank each, one process group on loopback), the like-for-like
-pair; and plain ``bucketed_ddp`` at ``devices=2`` (``plain``: one launch of 2 ranks). The sides alternate A B C C B A;
+Every side trains the GPT recipe's model (its ``tiny_ddp.yaml`` sizes, or ``--config``'s) on 2 CPU data-parallel
+ranks through ``lightscale.Trainer``: 2 fault-tolerant replicas of 1 rank (``ft``: two launches and a lighthouse);
+plain ``bucketed_ddp`` as two launches of 1 rank (``nodes``: ``num_nodes=2, devices=1``, a node rank each, one
+process group on loopback), the like-for-like pair; and plain ``bucketed_ddp`` at ``devices=2`` (``plain``: one
+launch of 2 ranks). The sides alternate A B C C B A;
 the ratios are of median step times (and, for the like-for-like pair, the median of each repeat's ratio: its
 two runs are adjacent, so they share the machine's load). Then one fault: 2 replicas train, one is killed
 with SIGKILL and a replacement (started beforehand, waiting) is released once the survivor has committed a step
 alone; printed: seconds from the kill to the survivor's next committed step, from the release to the replacement's
 first step, and the steps lost (dropped) by the survivor.
 
-    python benchmarks/bench_ft_step.py [--repeats 2] [--steps 30]
+    python benchmarks/bench_ft_step.py [--repeats 2] [--steps 30] [--config small_ddp --no-fault]
 """
 
 from __future__ import annotations
@@ -33,7 +34,17 @@ WARMUP = 5
 FAULT_STEPS, KILL_AT = 10_000, 40  # the fault run is ended once the replacement has stepped
 
 
-def _replica(mode: str, replica: int, out: str, port: int, steps: int) -> None:
+def _recipe(config: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The GPT recipe's model and data sizes from its YAML (``lightscale/recipes/gpt/configs/<config>.yaml``)."""
+    import yaml
+
+    path = Path(__file__).parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / f"{config}.yaml"
+    recipe = yaml.safe_load(path.read_text())
+    data = recipe["data"]["init_args"]
+    return recipe["model"]["init_args"]["config"], {"block_size": data["block_size"], "batch_size": data["batch_size"]}
+
+
+def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: str) -> None:
     """One launch: ``plain`` (bucketed_ddp, 2 ranks), ``nodes`` (bucketed_ddp, node ``replica`` of 2, 1 rank each) or
     a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
     import lightning.pytorch as pl
@@ -68,8 +79,8 @@ def _replica(mode: str, replica: int, out: str, port: int, steps: int) -> None:
                                  num_nodes=2 if mode == "nodes" else 1, max_steps=steps, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  limit_val_batches=0, callbacks=[Steps()])  # fmt: skip
-    config = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
-    trainer.fit(GPTModule(config), GPTDataModule(block_size=config.block_size, batch_size=8))
+    model, data = _recipe(config)
+    trainer.fit(GPTModule(GPTConfig(**model)), GPTDataModule(**data))
 
 
 def _port() -> int:
@@ -88,7 +99,7 @@ def _records(out: Path, mode: str) -> dict[int, list[dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def _job(min_replicas: int) -> Any:
+def _job(min_replicas: int, config: str = "tiny_ddp") -> Any:
     """A lighthouse, a scratch directory and ``start(mode, replica, steps)``; every process ends with the block."""
     from lightscale.parallel.diloco.lighthouse import start_lighthouse
 
@@ -100,7 +111,7 @@ def _job(min_replicas: int) -> Any:
         def start(mode: str, replica: int, steps: int, **extra: str) -> subprocess.Popen[bytes]:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
                    **extra}  # fmt: skip
-            cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps)]
+            cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps), config]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))  # fmt: skip
             return procs[-1]
@@ -115,8 +126,8 @@ def _job(min_replicas: int) -> Any:
             server.shutdown()
 
 
-def _median_step(mode: str, steps: int) -> float:
-    with _job(min_replicas=2) as (start, out):
+def _median_step(mode: str, steps: int, config: str) -> float:
+    with _job(min_replicas=2, config=config) as (start, out):
         if mode == "plain":
             procs = [start("plain", 0, steps)]
         elif mode == "nodes":  # one process group over two launches: node k's rank is k
@@ -167,13 +178,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--config", default="tiny_ddp", help="the GPT recipe's model and batch (small_ddp: 6 layers)")
+    parser.add_argument("--no-fault", action="store_true", help="step times only")
     args = parser.parse_args()
     modes = ("ft", "nodes", "plain")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
-    print(f"load average at the start: {os.getloadavg()}")
+    print(f"the GPT recipe's {args.config}.yaml model; load average at the start: {os.getloadavg()}")
     for i in range(args.repeats):
         for mode in modes if i % 2 == 0 else modes[::-1]:
-            times[mode].append(_median_step(mode, WARMUP + args.steps))
+            times[mode].append(_median_step(mode, WARMUP + args.steps, args.config))
     print(f"load average after the step times: {os.getloadavg()}")
     median = {mode: statistics.median(times[mode]) for mode in modes}
     print(
@@ -185,11 +198,12 @@ def main() -> None:
     pairs = [ft / nodes for ft, nodes in zip(times["ft"], times["nodes"], strict=True)]  # adjacent runs: same load
     print(f"  fault_tolerant / two launches, per repeat: {[round(r, 3) for r in pairs]}, median "
           f"{statistics.median(pairs):.3f}")  # fmt: skip
-    print("fault:", json.dumps({k: round(v, 2) for k, v in _fault().items()}))
+    if not args.no_fault:
+        print("fault:", json.dumps({k: round(v, 2) for k, v in _fault().items()}))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
-        _replica(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _replica(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
         main()

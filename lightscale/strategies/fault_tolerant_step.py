@@ -22,6 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
+from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
 from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
@@ -123,7 +124,8 @@ class FaultTolerantReplica:
         self.trainer: Trainer | None = None
         self.loader: object = None
         self.position = (0, 0)  # (epoch, batches trained in it) at the start of the current step
-        self.skipped = (0, 0)  # (epoch, batches) a heal's sampler skipped: Lightning's batch_idx counts after them
+        self.offset = (0, 0)  # (epoch, batches read in it but not counted by Lightning's batch_idx: a heal's jump)
+        self.healed_to: tuple[int, int] | None = None  # where a heal moved the sampler, until the next batch starts
         self.reading = False  # the loader iterates: a heal can no longer move its position
         self.heals = 0
         self.most_replicas = 0
@@ -147,6 +149,8 @@ class FaultTolerantReplica:
             )
             if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
                 self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
+        if not self.reading and position_in_epoch(trainer)[0] >= 0:  # resumed: a heal served now sends where it is
+            self.position = position_in_epoch(trainer)
         self.step.begin()
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -163,8 +167,11 @@ class FaultTolerantReplica:
         return self.resumed_steps or 0
 
     def begin(self, trainer: Trainer, batch_idx: int) -> None:
-        epoch, skipped = self.skipped
-        self.position = (trainer.current_epoch, batch_idx + (skipped if epoch == trainer.current_epoch else 0))
+        if self.healed_to is not None:  # Lightning's batch_idx goes on from its own count (0, or where it resumed)
+            epoch, batches = self.healed_to
+            self.offset, self.healed_to = (epoch, batches - batch_idx), None
+        epoch, offset = self.offset
+        self.position = (trainer.current_epoch, batch_idx + (offset if epoch == trainer.current_epoch else 0))
         self.reading = True
         if self.step is not None:
             self.step.begin()
@@ -251,7 +258,7 @@ class FaultTolerantReplica:
             )
             return
         sampler.resume_from(epoch, batches)
-        self.skipped = (epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
+        self.healed_to = (epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
 
     def summary(self) -> str:
         return (
