@@ -15,7 +15,7 @@ from lightscale.callbacks.measured_state import ModelStateBytes, model_state_byt
 from lightscale.callbacks.throughput import Throughput
 from lightscale.data.data_shard import data_shard
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
-from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
+from lightscale.strategies.fault_tolerant_step import FaultTolerantHooks
 
 
 class RunSummary(Callback):
@@ -110,8 +110,9 @@ def _format(
 
 def _fault_tolerance_note(trainer: Trainer) -> list[str]:
     """Per-step fault tolerance: the steps this replica committed with fewer replicas, and those dropped."""
-    ft = getattr(trainer.strategy, "ft", None)  # BucketedDDPStrategy(fault_tolerant=...)'s replica
-    return [f"  fault tolerance: {ft.summary()}"] if isinstance(ft, FaultTolerantReplica) else []
+    strategy = trainer.strategy  # bucketed_ddp or the FSDP2 family with fault_tolerant=
+    ft = strategy.ft if isinstance(strategy, FaultTolerantHooks) else None
+    return [f"  fault tolerance: {ft.summary()}"] if ft is not None else []
 
 
 def _engine_note(trainer: Trainer) -> list[str]:
