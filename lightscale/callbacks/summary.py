@@ -15,7 +15,7 @@ from lightscale.callbacks.measured_state import ModelStateBytes, model_state_byt
 from lightscale.callbacks.throughput import Throughput
 from lightscale.data.data_shard import data_shard
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
-from lightscale.strategies.fault_tolerant_step import FaultTolerantHooks
+from lightscale.strategies.fault_tolerant_step import replica_of
 
 
 class RunSummary(Callback):
@@ -110,8 +110,7 @@ def _format(
 
 def _fault_tolerance_note(trainer: Trainer) -> list[str]:
     """Per-step fault tolerance: the steps this replica committed with fewer replicas, and those dropped."""
-    strategy = trainer.strategy  # bucketed_ddp or the FSDP2 family with fault_tolerant=
-    ft = strategy.ft if isinstance(strategy, FaultTolerantHooks) else None
+    ft = replica_of(trainer.strategy)  # bucketed_ddp or the FSDP2 family with fault_tolerant=
     return [f"  fault tolerance: {ft.summary()}"] if ft is not None else []
 
 

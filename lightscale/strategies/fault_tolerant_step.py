@@ -149,8 +149,9 @@ class FaultTolerantReplica:
             )
             if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
                 self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
-        if not self.reading and position_in_epoch(trainer)[0] >= 0:  # resumed: a heal served now sends where it is
-            self.position = position_in_epoch(trainer)
+        resumed_at = position_in_epoch(trainer)
+        if not self.reading and resumed_at[0] >= 0:  # resumed: a heal served now sends where it is
+            self.position = resumed_at
         self.step.begin()
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -320,7 +321,7 @@ class FaultTolerantCheckpointer(Checkpointer):
     @override
     def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         state = super().trainer_state(checkpoint)
-        ft = _replica_of(self.strategy)
+        ft = replica_of(self.strategy)
         if ft is not None:
             state["lightscale"]["fault_tolerance"] = ft.checkpoint_state()
         return state
@@ -328,11 +329,11 @@ class FaultTolerantCheckpointer(Checkpointer):
     @override
     def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
         super().restore_extras(meta, fitting=fitting)
-        ft = _replica_of(self.strategy)
+        ft = replica_of(self.strategy)
         if ft is not None and fitting:
             ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
 
 
-def _replica_of(strategy: object) -> FaultTolerantReplica | None:
+def replica_of(strategy: object) -> FaultTolerantReplica | None:
     """The replica of a family with ``fault_tolerant=`` (``None``: off, or a family without it)."""
     return strategy.ft if isinstance(strategy, FaultTolerantHooks) else None
