@@ -149,18 +149,29 @@ class FaultTolerantReplica:
             )
             if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
                 self.step.manager.load_state_dict({"step": self.resumed_steps, "batches_committed": 0})
-        resumed_at = position_in_epoch(trainer)
-        if not self.reading and resumed_at[0] >= 0:  # resumed: a heal served now sends where it is
-            self.position = resumed_at
+        epoch, batches = position_in_epoch(trainer)
+        if not self.reading and epoch >= 0:  # resumed: a heal served now sends where it is
+            self.position = (epoch, batches + self._jump_in(epoch))
+            if self.position[1] != batches:  # its save was made after a heal: the sampler is past Lightning's count
+                self._reposition(*self.position)
         self.step.begin()
+
+    def _jump_in(self, epoch: int) -> int:
+        """Batches of ``epoch`` read but not counted by Lightning's batch index (a heal's jump; 0 in another epoch)."""
+        return self.offset[1] if self.offset[0] == epoch else 0
 
     def checkpoint_state(self) -> dict[str, Any]:
         """In the portable layout's trainer state: the steps committed, so that after a whole job was lost and every
         replica resumed from its own save, the first quorum makes the replica with the newest save the source."""
-        return {"replica": self.settings.resolved_replica_id(), "committed_steps": self._committed_steps()}
+        return {
+            "replica": self.settings.resolved_replica_id(),
+            "committed_steps": self._committed_steps(),
+            "offset": list(self.offset),  # a healed replica's sampler is ahead of Lightning's saved batch count
+        }
 
     def restore_checkpoint_state(self, state: dict[str, Any] | None) -> None:
         self.resumed_steps = None if state is None else int(state["committed_steps"])
+        self.offset = (0, 0) if state is None else tuple(state.get("offset", (0, 0)))  # type: ignore[assignment]
 
     def _committed_steps(self) -> int:
         if self.step is not None:
@@ -171,8 +182,7 @@ class FaultTolerantReplica:
         if self.healed_to is not None:  # Lightning's batch_idx goes on from its own count (0, or where it resumed)
             epoch, batches = self.healed_to
             self.offset, self.healed_to = (epoch, batches - batch_idx), None
-        epoch, offset = self.offset
-        self.position = (trainer.current_epoch, batch_idx + (offset if epoch == trainer.current_epoch else 0))
+        self.position = (trainer.current_epoch, batch_idx + self._jump_in(trainer.current_epoch))
         self.reading = True
         if self.step is not None:
             self.step.begin()
@@ -251,15 +261,23 @@ class FaultTolerantReplica:
     def _read_on_from(self, epoch: int, batches: int) -> None:
         trainer = self.trainer
         assert trainer is not None
-        sampler = getattr(self.loader, "sampler", None)
-        if self.reading or epoch != trainer.current_epoch or not callable(getattr(sampler, "resume_from", None)):
+        if self.reading or epoch != trainer.current_epoch or not self._reposition(epoch, batches):
             rank_zero_warn(
                 f"lightscale-ft: this replica healed to epoch {epoch}, batch {batches} but reads on from where its "
-                f"loader is (epoch {trainer.current_epoch}; sampler {type(sampler).__name__})."
+                f"loader is (epoch {trainer.current_epoch}; sampler {type(self._sampler()).__name__})."
             )
             return
-        sampler.resume_from(epoch, batches)
         self.healed_to = (epoch, batches)  # batches, not steps: the peer's batch_idx at its step's first batch
+
+    def _sampler(self) -> object:
+        return getattr(self.loader, "sampler", None)
+
+    def _reposition(self, epoch: int, batches: int) -> bool:
+        """Move the sampler (one with ``resume_from(epoch, batches)``, as lightscale's) before the loader iterates."""
+        resume_from = getattr(self._sampler(), "resume_from", None)
+        if callable(resume_from):
+            resume_from(epoch, batches)
+        return callable(resume_from)
 
     def summary(self) -> str:
         return (

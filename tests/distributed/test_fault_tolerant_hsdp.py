@@ -281,10 +281,13 @@ def test_a_killed_hsdp_replica_heals_rank_by_rank_and_the_lost_job_resumes_from_
     # The saves open as a Lightning user opens them; torchft's count is in the layout.
     committed = by[survivor.pid, 0]["committed"]  # ... at MAX_STEPS, the same on the healed replica
     at_save = {0: committed, 1: committed - sum(bool(parts[step]) for step in range(SAVE_AT[1] + 1, MAX_STEPS + 1))}
+    # The replacement's sampler is ahead of Lightning's batch count by the heal's jump (one batch a step, epoch 0).
+    healed_at = int(re.search(r"healed from replica_0 at step (\d+)", logs[tmp_path / "ft1.2.txt"]).group(1))
+    offset = {0: [0, 0], 1: [0, healed_at]}
     for replica in (0, 1):
         saved = tmp_path / f"checkpoints{replica}" / f"epoch=0-step={SAVE_AT[replica]}.ckpt"
         state = torch.load(saved / "trainer_state.pt", weights_only=False)["lightscale"]["fault_tolerance"]
-        assert state == {"replica": f"replica_{replica}", "committed_steps": at_save[replica]}
+        assert state == {"replica": f"replica_{replica}", "committed_steps": at_save[replica], "offset": offset[replica]}
         weights = torch.cat([p.detach().reshape(-1) for p in Regression.load_from_checkpoint(saved).parameters()])
         torch.testing.assert_close(weights, _replay(parts, SAVE_AT[replica]), rtol=1e-6, atol=1e-6)
         assert replica == 1 or torch.equal(weights, end)  # replica 0 saved at the end
