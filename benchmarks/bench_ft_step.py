@@ -12,6 +12,7 @@ alone; printed: seconds from the kill to the survivor's next committed step, fro
 first step, and the steps lost (dropped) by the survivor.
 
     python benchmarks/bench_ft_step.py [--repeats 2] [--steps 30] [--config small_ddp --no-fault]
+    python benchmarks/bench_ft_step.py --config tiny_ddp,n_layer=4,n_embd=192 --no-fault
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ FAULT_STEPS, KILL_AT = 10_000, 40  # the fault run is ended once the replacement
 
 
 def _recipe(config: str) -> tuple[dict[str, int], dict[str, int]]:
-    """The GPT recipe's model and data sizes from its YAML (``lightscale/recipes/gpt/configs/<config>.yaml``)."""
+    """The GPT recipe's model and data sizes from its YAML (``lightscale/recipes/gpt/configs/<name>.yaml``), then
+    ``KEY=VALUE`` changes to the model's (``tiny_ddp,n_layer=4,n_embd=192``: a step between the two recipes')."""
     import yaml
 
-    path = Path(__file__).parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / f"{config}.yaml"
+    name, *changes = config.split(",")
+    path = Path(__file__).parents[1] / "lightscale" / "recipes" / "gpt" / "configs" / f"{name}.yaml"
     recipe = yaml.safe_load(path.read_text())
-    data = recipe["data"]["init_args"]
-    return recipe["model"]["init_args"]["config"], {"block_size": data["block_size"], "batch_size": data["batch_size"]}
+    data, model = recipe["data"]["init_args"], recipe["model"]["init_args"]["config"]
+    model.update({key: int(value) for key, value in (change.split("=") for change in changes)})
+    return model, {"block_size": data["block_size"], "batch_size": data["batch_size"]}
 
 
 def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: str) -> None:
@@ -178,12 +182,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--config", default="tiny_ddp", help="the GPT recipe's model and batch (small_ddp: 6 layers)")
+    parser.add_argument("--config", default="tiny_ddp",
+                        help="the GPT recipe's model and batch (small_ddp: 6 layers), then model changes: "
+                        "tiny_ddp,n_layer=4,n_embd=192")  # fmt: skip
     parser.add_argument("--no-fault", action="store_true", help="step times only")
     args = parser.parse_args()
     modes = ("ft", "nodes", "plain")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
-    print(f"the GPT recipe's {args.config}.yaml model; load average at the start: {os.getloadavg()}")
+    print(f"the GPT recipe's model {args.config}; load average at the start: {os.getloadavg()}")
     for i in range(args.repeats):
         for mode in modes if i % 2 == 0 else modes[::-1]:
             times[mode].append(_median_step(mode, WARMUP + args.steps, args.config))

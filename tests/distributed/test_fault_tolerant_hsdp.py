@@ -287,7 +287,8 @@ def test_a_killed_hsdp_replica_heals_rank_by_rank_and_the_lost_job_resumes_from_
     for replica in (0, 1):
         saved = tmp_path / f"checkpoints{replica}" / f"epoch=0-step={SAVE_AT[replica]}.ckpt"
         state = torch.load(saved / "trainer_state.pt", weights_only=False)["lightscale"]["fault_tolerance"]
-        assert state == {"replica": f"replica_{replica}", "committed_steps": at_save[replica], "offset": offset[replica]}
+        expected = {"replica": f"replica_{replica}", "committed_steps": at_save[replica], "offset": offset[replica]}
+        assert state == expected
         weights = torch.cat([p.detach().reshape(-1) for p in Regression.load_from_checkpoint(saved).parameters()])
         torch.testing.assert_close(weights, _replay(parts, SAVE_AT[replica]), rtol=1e-6, atol=1e-6)
         assert replica == 1 or torch.equal(weights, end)  # replica 0 saved at the end
