@@ -192,7 +192,11 @@ class MemoryProfiler(Callback):
             return
         assert self.out_dir is not None
         path = self.out_dir / f"oom_rank{trainer.global_rank}.txt"
-        write_oom_report(path, trainer, pl_module, exception, self.estimate)
+        try:
+            write_oom_report(path, trainer, pl_module, exception, self.estimate)
+        except Exception as failure:  # the report must never replace the user's error (Lightning re-raises it next)
+            log.error("lightscale: out of memory; the report could not be written (%r)", failure)
+            return
         log.error("lightscale: out of memory; report written to %s", path)
 
 

@@ -124,12 +124,12 @@ def top_tensors(module: LightningModule, trainer: Trainer, *, limit: int = 20) -
             continue
         try:
             storage = obj.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):
-            continue  # tensor subclasses without storage
+            continue  # tensor subclasses without storage; a storage already freed ("invalid python storage")
         kind, name = names.get(id(obj), ("other", f"{tuple(obj.shape)} {obj.dtype}"))
-        key = storage.data_ptr()
         if key not in seen or seen[key][1] == "other":
-            seen[key] = (storage.nbytes(), kind, name)
+            seen[key] = (size, kind, name)
     return sorted(seen.values(), reverse=True)[:limit]
 
 
