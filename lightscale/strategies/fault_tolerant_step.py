@@ -171,7 +171,8 @@ class FaultTolerantReplica:
 
     def restore_checkpoint_state(self, state: dict[str, Any] | None) -> None:
         self.resumed_steps = None if state is None else int(state["committed_steps"])
-        self.offset = (0, 0) if state is None else tuple(state.get("offset", (0, 0)))  # type: ignore[assignment]
+        epoch, batches = (0, 0) if state is None else state.get("offset", (0, 0))  # saves before stop 47 have none
+        self.offset = (int(epoch), int(batches))
 
     def _committed_steps(self) -> int:
         if self.step is not None:
