@@ -32,6 +32,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
@@ -94,6 +95,13 @@ class LightscaleStrategy(ProcessStrategy):
         refuse_former_checkpoint_methods(cls)  # a subclass written for the former checkpoint base class
         if cls.__dict__.get("aliases"):
             register_class(cls)
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """The family's own state handed to the one checkpointer by name (torchft's count, PowerSGD's residuals,
+        DiLoCo's outer state, ...): each ``state_dict()`` is saved in the checkpoint's ``lightscale`` entry under its
+        name (collective: every rank calls it), and a resumed fit gives it back with ``load_state_dict`` where the
+        checkpoint holds that name. The checkpointer never reads a family's fields; this is all it asks."""
+        return {}
 
     def memory_layout(self, world_size: int) -> Layout:
         """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""

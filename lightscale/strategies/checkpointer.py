@@ -173,6 +173,8 @@ class Checkpointer:
         name, world_size = type(strategy).__name__, strategy.world_size
         state = trainer_state_of(checkpoint, strategy=name, world_size=world_size, optimizers=optimizers)
         state["lightscale"][MODELS] = describe_models(strategy.lightning_module)  # what `lightscale export --hf` builds
+        for key, stateful in strategy.checkpoint_states().items():  # the family's own state, handed over by name
+            state["lightscale"][key] = stateful.state_dict()
         return state
 
     def saved_optimizers(self) -> list[dict[str, Any]] | None:
@@ -217,6 +219,10 @@ class Checkpointer:
         if fitting:
             self._saved_rng_states = saved_rng_states(meta)
             take_own_loader_state(meta)  # rank 0 wrote the file: each data shard takes its own stream position back
+            saved = meta.get("lightscale", {})
+            for key, stateful in self.strategy.checkpoint_states().items():
+                if saved.get(key) is not None:  # a checkpoint written without it leaves the object's fresh state
+                    stateful.load_state_dict(saved[key])
 
     def restore_random_states(self) -> None:
         """At the first batch after a load: every rank's random states as saved (see :meth:`restore_extras`)."""
