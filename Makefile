@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet $(LITDATA_DEPS) && $(BIN)/pip install --quiet --no-deps "$(LITDATA)"
 	@# Build DeepSpeed's CPU ops now, where lightscale looks for them (like DS_BUILD_CPU_ADAM=1 at install): a
 	@# first ZeRO-offload run would otherwise compile them inside its ranks, for minutes, under its timeouts.
-	$(BIN)/python -m lightscale.zero.ops
+	$(BIN)/python -m lightscale.strategies.deepspeed.ops
 	$(BIN)/python -c "import torch, lightning, deepspeed, lightscale; print('torch', torch.__version__, '| lightning', lightning.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $(STAMP)
 

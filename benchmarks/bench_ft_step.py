@@ -105,7 +105,7 @@ def _records(out: Path, mode: str) -> dict[int, list[dict[str, Any]]]:
 @contextlib.contextmanager
 def _job(min_replicas: int, config: str = "tiny_ddp") -> Any:
     """A lighthouse, a scratch directory and ``start(mode, replica, steps)``; every process ends with the block."""
-    from lightscale.parallel.diloco.lighthouse import start_lighthouse
+    from lightscale.fault_tolerance.lighthouse import start_lighthouse
 
     server, address = start_lighthouse(min_replicas=min_replicas)
     port = int(address.rsplit(":", 1)[1])

@@ -18,7 +18,7 @@ import lightscale
 from lightscale.callbacks import CommMonitor
 from lightscale.parallel.powersgd import compressed_bytes
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.testing import run_distributed
 
 TINY = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)  # lightscale/recipes/gpt/configs/tiny_ddp.yaml

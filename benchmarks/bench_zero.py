@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import LossStepTimer, interleaved, median, stub_trainer, timed_trainer
 
 from lightscale.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTModule
+from lightscale.strategies.deepspeed.config import ZeroOptions, build_config
+from lightscale.strategies.deepspeed.engine import cpu_adam_from
 from lightscale.testing import run_distributed
-from lightscale.zero.config import ZeroOptions, build_config
-from lightscale.zero.engine import cpu_adam_from
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
 OPTIONS = ZeroOptions(stage=3, offload_optimizer=True, offload_params=True)  # what "zero3_offload" means

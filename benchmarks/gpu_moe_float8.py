@@ -75,7 +75,7 @@ def _tokens_per_s(precision: str, steps: int, warmup: int, micro_batch: int) -> 
     import torch
     from gpu_workers import GPT2, _gpt, _random_tokens, _Record, _trainer
 
-    from lightscale.strategies.fsdp2 import FSDP2Strategy
+    from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 
     torch.cuda.reset_peak_memory_stats()
     module = _gpt(GPT2, learning_rate=6e-4)

@@ -69,7 +69,7 @@ def environment() -> dict[str, Any]:
 
 
 def build_deepspeed_ops() -> list[str]:
-    from lightscale.zero.ops import build_cpu_ops
+    from lightscale.strategies.deepspeed.ops import build_cpu_ops
 
     return build_cpu_ops()
 

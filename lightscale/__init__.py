@@ -7,7 +7,7 @@ Example:
 
 from lightscale.data import streams
 from lightscale.data.data_shard import DataShard, data_shard
-from lightscale.parallel.fault_tolerance import FaultTolerance
+from lightscale.fault_tolerance.settings import FaultTolerance
 from lightscale.plugins.fsdp_precision import Float8Precision
 from lightscale.strategies.registry import patch_lightning, register_strategies, strategy_table
 from lightscale.trainer import Trainer

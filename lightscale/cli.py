@@ -146,8 +146,9 @@ def resolve_strategy_args(argv: list[str]) -> list[str]:
 
     Example:
         >>> resolve_strategy_args(["--trainer.strategy", "zero3", "--trainer.strategy.init_args.stage", "2"])
-        ['--trainer.strategy', 'zero3', '--trainer.strategy={"class_path": "lightscale.strategies.zero.ZeroStrategy",
-         "init_args": {"stage": 3}}', '--trainer.strategy.init_args.stage', '2']
+        ['--trainer.strategy', 'zero3', '--trainer.strategy={"class_path":
+         "lightscale.strategies.deepspeed.strategy.ZeroStrategy", "init_args": {"stage": 3}}',
+         '--trainer.strategy.init_args.stage', '2']
     """
     name: Any = None
     for index, arg in enumerate(argv):

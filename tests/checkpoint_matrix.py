@@ -242,7 +242,7 @@ def zero_live_state(trainer: pl.Trainer) -> State:
     layout (any torch optimizer: Adam's moments and step, SGD's momentum buffer, ...)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from lightscale.zero.portable_save import optimizer_state
+    from lightscale.strategies.deepspeed.portable_save import optimizer_state
 
     strategy = trainer.strategy
     zero = strategy.engine.optimizer

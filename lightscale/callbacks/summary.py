@@ -14,8 +14,8 @@ from typing_extensions import override
 from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.throughput import Throughput
 from lightscale.data.data_shard import data_shard
+from lightscale.fault_tolerance.replica import replica_of
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
-from lightscale.strategies.fault_tolerant_step import replica_of
 
 
 class RunSummary(Callback):

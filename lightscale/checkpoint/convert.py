@@ -38,12 +38,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save, save_file
 from torch import Tensor
 
+from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 from lightscale.checkpoint.portable import check_checkpoint_dir, full_model_state_dict, write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.storage.atomic_dir import complete_checkpoint
 from lightscale.storage.safe_io import atomic_path, load_weights_only, save_atomically
 from lightscale.storage.urls import Location, RemotePath, checkpoint_location
-from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint
 
 TARGETS = ("safetensors", "torch", "dcp")
 SOURCES = ("dcp", "deepspeed", "lightning", "torch", "safetensors")

@@ -35,13 +35,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightscale.checkpoint.averaged import AVERAGED_META, to_lightning_convention
+from lightscale.checkpoint.deepspeed_dir import (
+    CHECKPOINT_TAG,
+    consolidate_zero_checkpoint,
+    model_states_file,
+    safe_load,
+)
 from lightscale.checkpoint.portable import TRAINER_STATE, check_checkpoint_dir, full_model_state_dict
 from lightscale.errors import ConfigurationError
 from lightscale.storage.safe_dcp import load_safely, safe_reader
 from lightscale.storage.safe_io import load_weights_only
 from lightscale.storage.staged_copy import local_directory
 from lightscale.storage.urls import Location, checkpoint_location
-from lightscale.zero.checkpoint_dir import CHECKPOINT_TAG, consolidate_zero_checkpoint, model_states_file, safe_load
 
 MapLocation = Callable[..., Any] | str | torch.device | dict[str, str] | None
 _OPTIMIZER = "optimizer."

@@ -11,7 +11,7 @@ torch's own iteration once and sends each piece back (lightscale/optim/muon.py `
 code ShardedMuon uses under fsdp2); a matrix lying inside one rank's partition is orthogonalized there and moves no
 bytes. Each piece is then applied with the learning rate adjusted by the matrix's global shape, as torch does.
 
-The strategy says where each matrix lies (:meth:`FlatMuon.attach`, from lightscale/zero/partition.py, the one place
+The strategy says where each matrix lies (:meth:`FlatMuon.attach`, from strategies/deepspeed/partition.py, the one place
 that reads DeepSpeed's layout) once the engine is built. State: torch's ``momentum_buffer``, one value per element of
 the flat partition, so the portable checkpoint holds it per parameter as one process's Muon does.
 
@@ -79,7 +79,7 @@ class FlatMuon(torch.optim.Muon):
         if flat is None:
             raise ConfigurationError(
                 "FlatMuon stepped a tensor whose ZeRO layout it was not given: the ZeRO strategy calls "
-                "FlatMuon.attach(...) after building DeepSpeed's engine (lightscale/zero/build.py follow_engine)."
+                "FlatMuon.attach(...) after building DeepSpeed's engine (strategies/deepspeed/build.py follow_engine)."
             )
         if id(partition) == self._first:
             self._turns.clear()  # a new step: the first owner is rank 0 again

@@ -55,7 +55,7 @@ def exact_optimizer(optimizer: torch.optim.Optimizer, view: ParameterView) -> to
 
 
 def attach_flat(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
-    """Tell ``optimizer`` where ZeRO's flat partitions lie (``groups``, from lightscale/zero/partition.py): FlatMuon
+    """Tell ``optimizer`` where ZeRO's flat partitions lie (``groups``, from deepspeed/partition.py): FlatMuon
     where its matrices are; a CombinedOptimizer which part keeps each partition's state, and each FlatMuon part the
     partitions of its own groups."""
     if isinstance(optimizer, FlatMuon):

@@ -13,7 +13,7 @@ parameter as one process would. Each strategy class says how its optimizer sees 
   whole, once, by an owner rank; torch's own runs on every rank through DTensor's sharded bf16 products, which round
   differently); a user's own shape-dependent optimizer is refused.
 * ``"flat_mapped"``: DeepSpeed steps flat 1-D fp32 partitions, and lightscale reads where each parameter lies in them
-  (lightscale/zero/partition.py): ZeRO-1/2 lay each group's parameters end to end, ZeRO-3 each parameter's own
+  (strategies/deepspeed/partition.py): ZeRO-1/2 lay each group's parameters end to end, ZeRO-3 each parameter's own
   partition end to end (zero1, zero2, zero3 and their offload names). torch's Muon is stepped by
   :class:`~lightscale.optim.flat_muon.FlatMuon` (each matrix gathered whole to an owner rank for Newton-Schulz);
   Adafactor (its factored state would need the matrices' rows on one rank) and a user's own are refused.

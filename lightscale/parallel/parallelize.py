@@ -32,9 +32,9 @@ from lightscale.parallel.activation_checkpoint import ACMode, apply_activation_c
 from lightscale.parallel.data_parallel import broadcast_module_state
 from lightscale.parallel.experts import apply_expert_parallel, expert_parameters, shard_experts_over_data
 from lightscale.parallel.fsdp import apply_fsdp, contains_module, materialize_meta_module, torch_generator_states
+from lightscale.parallel.fsdp_wires import ZeroPPOptions, apply_zeropp
 from lightscale.parallel.mesh import axis, data_parallel_mesh, expert_data_mesh
 from lightscale.parallel.tensor_parallel import TPPlan, apply_tp_plan
-from lightscale.parallel.zeropp import ZeroPPOptions, apply_zeropp
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ParallelizeOptions:
     # Which ranks FSDP spans: "data" (dp_replicate x dp_shard: HSDP), "dp_shard" only (DiLoCo: its workers meet
     # through the outer sync, not through FSDP), or "none" (a reducer of the strategy's own replicates).
     fsdp_over: Literal["data", "dp_shard", "none"] = "data"
-    zeropp: ZeroPPOptions | None = None  # quantized all-gather / reduce-scatter (lightscale/parallel/zeropp.py)
+    zeropp: ZeroPPOptions | None = None  # quantized all-gather / reduce-scatter (lightscale/parallel/fsdp_wires.py)
 
 
 def parallelize_model(

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,3 +220,30 @@ def _check_shapes(name: str, saved: list[Tensor], mine: list[Tensor]) -> None:
             f"The checkpoint's PowerSGD {name} tensors do not match this model's ({len(saved)} saved, {len(mine)} "
             "here, or other shapes): resume with the same model, buckets and powersgd_rank."
         )
+
+
+class EveryRankState:
+    """PowerSGD's state as a checkpoint holds it (a ``Stateful``): every rank's step, Qs and own error-feedback
+    residuals, gathered on save (collective); on resume each rank takes its own back, or at another world size the
+    step and Qs of rank 0 with residuals at zero (warned: the residuals belong to ranks that no longer exist)."""
+
+    def __init__(self, powersgd: PowerSGD) -> None:
+        self.powersgd = powersgd
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, self.powersgd.state_dict())
+        return states
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if not states:
+            return
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        same_world = len(states) == world_size
+        if not same_world and rank == 0:
+            warnings.warn(
+                f"The checkpoint holds PowerSGD residuals of {len(states)} ranks and this run has "
+                f"{world_size}: step count and Qs are restored, the error-feedback residuals start at zero.",
+                stacklevel=2,
+            )
+        self.powersgd.load_state_dict(states[rank if same_world else 0], residuals=same_world)

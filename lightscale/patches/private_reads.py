@@ -132,7 +132,7 @@ PATCHES = [
     Patch(
         "_FitLoop._data_source",
         "read",
-        "ZeRO reads the micro-batch size from the training DataLoader before fit (lightscale/zero/config.py)",
+        "ZeRO reads the micro-batch size from the training DataLoader before fit (strategies/deepspeed/config.py)",
         "a public accessor of the fit loop's data source",
         attributes=("lightning.pytorch.loops.fit_loop:_FitLoop", ("_data_source",)),
     ),
@@ -149,7 +149,7 @@ PATCHES = [
     Patch(
         "LightningOptimizer._optimizer",
         "read",
-        "the user's optimizer inside Lightning's wrapper (zero/optimizer_tensors.py, strategies/shards.py, "
+        "the user's optimizer inside Lightning's wrapper (deepspeed/optimizer_tensors.py, strategies/shards.py, "
         "callbacks/memory_report.py)",
         "a public accessor of the wrapped optimizer",
         attributes=("lightning.pytorch.core.optimizer:LightningOptimizer", ("_optimizer",)),
@@ -184,7 +184,7 @@ PATCHES = [
         "Module._parameters, _buffers, _non_persistent_buffers_set, _modules (aliased)",
         "instance",
         "ZeRO's engine root shares the LightningModule's state without registering it as a child: the same "
-        "dictionaries, so checkpoint keys and parameters stay the module's (lightscale/zero/engine.py)",
+        "dictionaries, so checkpoint keys and parameters stay the module's (lightscale/strategies/deepspeed/engine.py)",
         "a DeepSpeed engine that accepts a forward callable besides the module whose parameters it manages",
         attributes=(
             "torch.nn.modules.module:Module",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -91,3 +92,10 @@ def exit_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher:
         raise RuntimeError(f"lightscale: this rank's launcher (pid {launcher}) exited during start-up; ending.")
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a rendezvous or a lighthouse started on this machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

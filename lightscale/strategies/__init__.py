@@ -4,14 +4,14 @@ from lightscale.parallel.mesh import ParallelDims
 
 # Importing a class registers its names; their order is registry.ORDER's, not these imports'.
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.checkpointer import Checkpointer
+from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.strategies.diloco.strategy import DiLoCoStrategy
 from lightscale.strategies.fit_memory import FitMemoryStrategy
-from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
 from lightscale.strategies.registry import check_strategy, register_strategies, strategy_table
-from lightscale.strategies.zero import ZeroStrategy
 
 __all__ = [
     "BucketedDDPStrategy",

@@ -4,7 +4,7 @@ checkpoint code ask instead of reading an engine's own attributes.
 :class:`TensorShards` gives the answers for tensors torch describes itself: a DTensor (FSDP2, tensor parallel) knows
 its global shape and its local tensor, a plain tensor is whole. Every lightscale strategy owns one as its
 ``tensor_shards`` (lightscale/strategies/base.py); an engine that keeps parameters its own way names a subclass next to
-the engine (ZeRO: lightscale/strategies/zero_shards.py, from lightscale/zero/). A strategy that is not lightscale's
+the engine (ZeRO: lightscale/strategies/deepspeed/shards.py, from lightscale/zero/). A strategy that is not lightscale's
 (Lightning's own ``ddp``) gets these defaults through :func:`shards_of`.
 
 Example:

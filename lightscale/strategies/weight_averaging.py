@@ -4,7 +4,7 @@ An average is elementwise, so it needs no collective: every rank keeps a copy of
 tensor-parallel DTensor's local tensor, a ZeRO-3 partition, its own pipeline stages and experts, the whole tensor
 where the strategy replicates it) and updates it from the same shards of the live model. The average costs one
 shard of memory per rank and no gather per update; only a checkpoint save of ZeRO-3 gathers, one tensor at a time,
-as the ZeRO-3 save of the weights does (lightscale/zero/portable_save.py).
+as the ZeRO-3 save of the weights does (lightscale/strategies/deepspeed/portable_save.py).
 
 Lightning builds the callback's ``AveragedModel`` in ``setup``, before the strategy shards the model, and its
 ``_swap_models`` / ``_copy_average_to_current`` / checkpoint hooks walk ``pl_module.parameters()`` (DTensors, empty

@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 import uuid
@@ -34,16 +33,11 @@ from typing_extensions import override
 
 from lightscale.patches.process import set_environment
 from lightscale.runtime.failure import EXIT_CODE, report_escaped, settle_failures
+from lightscale.runtime.launch import free_port
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_distributed(

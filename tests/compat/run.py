@@ -109,7 +109,10 @@ def build(combo: Combination, venvs: Path) -> tuple[Path, dict[str, str]]:
         pip(venv, "-c", str(constraints), *_requirements_but_torch())
         admitted = "no (run anyway)"
     # DeepSpeed's CPU ops once, as `make venv` does: compiled inside a test's ranks they outlast its timeout.
-    _try(lambda: subprocess.run([str(venv / "bin" / "python"), "-m", "lightscale.zero.ops"], check=True), "ops")
+    _try(
+        lambda: subprocess.run([str(venv / "bin" / "python"), "-m", "lightscale.strategies.deepspeed.ops"], check=True),
+        "ops",
+    )
     return venv, {**_versions(venv), "admitted": admitted}
 
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightscale.errors import ConfigurationError
 from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.strategies import FSDP2Strategy
-from lightscale.strategies.zero import ZeroStrategy
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed
 
 

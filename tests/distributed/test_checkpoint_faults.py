@@ -27,8 +27,8 @@ from lightscale.cli import main
 from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.storage import atomic_dir
 from lightscale.strategies import zero
+from lightscale.strategies.deepspeed import checkpoint as deepspeed_dir
 from lightscale.testing import RankFailed, run_distributed
-from lightscale.zero import checkpoint_dir as deepspeed_dir
 
 
 def _die_on_rank_1() -> None:

@@ -144,7 +144,7 @@ def test_h1_equals_data_parallel_and_local_sgd_equals_averaging() -> None:
 
 
 class OwnInner:
-    """An inner strategy that is no lightscale class: it answers lightscale.strategies.inner.InnerStrategy by handing
+    """An inner strategy that is no lightscale class: it answers InnerStrategy (strategies/diloco/inner.py) by handing
     each question to a reducer of its own (here bucketed_ddp's, with a smaller bucket)."""
 
     precision_rules = BucketedDDPStrategy.precision_rules

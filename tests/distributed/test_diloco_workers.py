@@ -16,10 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightscale.checkpoint.diloco_state import like_param
 from lightscale.errors import ConfigurationError
 from lightscale.strategies import DiLoCoStrategy
 from lightscale.strategies.diloco.checkpoint import global_model
+from lightscale.strategies.diloco.saved_state import like_param
 from lightscale.testing import run_distributed
 
 STEPS = 4
@@ -206,8 +206,8 @@ def _ft_resume(tmp: str) -> dict[str, Any]:
     """One fault-tolerant worker (its own lighthouse, min_replicas=1): 8 steps at once, and 5 + resume="auto" to 8;
     checkpoints under ``tmp``, a local directory or an ``s3://`` URL."""
     import lightscale
-    from lightscale.parallel.diloco import FaultTolerance
-    from lightscale.parallel.diloco.lighthouse import start_lighthouse
+    from lightscale.fault_tolerance import FaultTolerance
+    from lightscale.fault_tolerance.lighthouse import start_lighthouse
 
     server, address = start_lighthouse(min_replicas=1)
     out: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Fault-tolerant DiLoCo: 3 workers on localhost, one SIGKILLed mid-round and restarted; the others never stop.
 
-Real processes: a lighthouse (started by ``python -m lightscale.parallel.diloco.lighthouse``) and 3 workers running
+Real processes: a lighthouse (started by ``python -m lightscale.fault_tolerance.lighthouse``) and 3 workers running
 this file as a script. Each worker logs, per round, the participants, its pseudo-gradient and the mean it applied;
 the test checks that every committed mean is the mean of exactly the pseudo-gradients of that round's workers.
 """
@@ -40,7 +40,7 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
     import torch
     from torch import nn
 
-    from lightscale.parallel.diloco.fault_tolerant import FaultTolerantOuterSync
+    from lightscale.fault_tolerance.diloco import FaultTolerantOuterSync
 
     # The replacement is started before the kill and imported, so that the test times the rejoin, not Python's
     # import on a loaded machine; it makes its torchft manager only once the file appears, after the kill.
@@ -86,7 +86,7 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
 def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     port = free_port()
-    lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas", "2",
+    lighthouse_cmd = [sys.executable, "-m", "lightscale.fault_tolerance.lighthouse", "--min-replicas", "2",
                       "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S

@@ -106,7 +106,7 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
 def _launches(tmp_path: Path, min_replicas: int, script: str = __file__) -> Any:
     """A lighthouse (its own process) and a ``start(mode, replica)`` for launches of ``script``; everything ends
     with the block."""
-    from lightscale.testing.lighthouse import lighthouse
+    from lightscale.fault_tolerance.lighthouse import lighthouse
 
     # A live replica is waited for up to 30 s (a loaded machine may hold it past the 2 s default); a killed one stops
     # heartbeating and is dropped after 2 s all the same.
@@ -196,8 +196,8 @@ def test_two_replicas_equal_bucketed_ddp_at_world_size_two(tmp_path: Path) -> No
 MIN_REPLICAS_UNMET = """
 import time
 from lightscale import FaultTolerance
-from lightscale.parallel.diloco.lighthouse import start_lighthouse
-from lightscale.parallel.fault_tolerant_step import FaultTolerantStep, QuorumTimeoutError
+from lightscale.fault_tolerance.lighthouse import start_lighthouse
+from lightscale.fault_tolerance.step import FaultTolerantStep, QuorumTimeoutError
 
 server, address = start_lighthouse(min_replicas=2)
 settings = FaultTolerance(replica_id="replica_0", lighthouse=address, min_replicas=2, quorum_timeout_s=2)

@@ -43,7 +43,7 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightscale import Trainer
-    from lightscale.parallel.diloco import FaultTolerance
+    from lightscale.fault_tolerance import FaultTolerance
     from lightscale.strategies import DiLoCoStrategy
 
     flags = Path(log_path).parent
@@ -118,7 +118,7 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
     freeze worker FROZEN mid-round; stop the live ones a few rounds later."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     killed, port = workers - 1, free_port()
-    lighthouse_cmd = [sys.executable, "-m", "lightscale.parallel.diloco.lighthouse", "--min-replicas",
+    lighthouse_cmd = [sys.executable, "-m", "lightscale.fault_tolerance.lighthouse", "--min-replicas",
                       str(workers - 1), "--port", str(port)]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S

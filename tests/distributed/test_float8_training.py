@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.plugins.fsdp_precision import Float8Precision
-from lightscale.strategies.fsdp2 import FSDP2Strategy
+from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 from lightscale.strategies.parallel_3d.strategy import Parallel3DStrategy
 from lightscale.testing import run_distributed
 

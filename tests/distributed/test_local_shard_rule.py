@@ -31,8 +31,8 @@ import lightscale
 from lightscale.layers.moe import MoEConfig
 from lightscale.recipes.gpt import GPTDataModule, GPTModule
 from lightscale.strategies import ZeroStrategy
+from lightscale.strategies.deepspeed.shards import ZeroShards
 from lightscale.strategies.shards import TensorShards
-from lightscale.strategies.zero_shards import ZeroShards
 from lightscale.testing import run_distributed
 
 FOUR_RANKS = {"tp2_pp2", "ep2_pp2", "ep2_tp2", "cp2_tp2"}

@@ -15,7 +15,7 @@ from torch import nn
 import lightscale
 from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel import BucketedGradReducer
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.testing import run_distributed
 
 # (n, m) of every gradient matrix of Net (a conv weight 3x2x3 is compressed as 3x6) and its vector sizes.
@@ -189,7 +189,7 @@ def test_rank_below_one_refused(rank: object) -> None:
 
 
 def test_powersgd_only_under_bucketed_ddp() -> None:
-    from lightscale.strategies.fsdp2 import FSDP2Strategy
+    from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 
     with pytest.raises(ValueError, match=r"compression='powersgd' is valid only under the bucketed_ddp strategies"):
         FSDP2Strategy(compression="powersgd")

@@ -30,7 +30,7 @@ from lightscale.layers.moe import MoE, MoEConfig
 from lightscale.parallel.pipeline import even_stage_split
 from lightscale.plugins.precision_contract import NAMES, PRECISIONS, meaning, refusal
 from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy, LightscaleStrategy, Parallel3DStrategy
-from lightscale.strategies.zero import ZeroStrategy
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.testing import run_distributed
 
 GLOBAL_BATCH = 8

@@ -189,7 +189,7 @@ def _tp_replicated_bytes() -> int:
 STRATEGIES = {
     "fsdp2": ("fsdp2", 2, lambda: _full_bytes()),
     # by name with its defaults: every parameter here is under DeepSpeed's persistence threshold (kept whole on every
-    # rank), and its piece is still its partition (lightscale/zero/partition.py); this crashed before the one rule
+    # rank), and its piece is still its partition (strategies/deepspeed/partition.py); this crashed before the one rule
     "zero3": ("zero3", 2, lambda: _full_bytes(partition_to=2)),  # a partition is ceil(numel / ranks): last one padded
     "tp2": ("tp2", 1, lambda: _full_bytes() + _tp_replicated_bytes()),
 }

@@ -258,7 +258,7 @@ def test_offload_steps_other_optimizers_with_torch_and_says_so(monkeypatch: pyte
 
 def test_adagrad_with_several_groups_is_refused() -> None:
     from lightscale.errors import ConfigurationError
-    from lightscale.zero.engine import check_zero_optimizer
+    from lightscale.strategies.deepspeed.engine import check_zero_optimizer
 
     groups = [{"params": [nn.Parameter(torch.zeros(2))]}, {"params": [nn.Parameter(torch.zeros(2))], "lr": 0.5}]
     with pytest.raises(ConfigurationError, match=r"Adagrad with 2 parameter groups under ZeRO.*one group"):

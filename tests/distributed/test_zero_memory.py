@@ -27,7 +27,7 @@ from helpers import TINY, quiet_trainer, train_tiny_gpt
 
 from lightscale.callbacks.measured_state import model_state_bytes
 from lightscale.recipes.gpt import GPT
-from lightscale.strategies.zero import ZeroStrategy
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.testing import run_distributed
 
 PSI = GPT(TINY).num_params()

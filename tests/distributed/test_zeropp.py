@@ -1,4 +1,4 @@
-"""ZeRO++ on FSDP2 (lightscale/parallel/zeropp.py) on 2 and 4 gloo ranks: a tiny MLP trained with SGD + momentum.
+"""ZeRO++ on FSDP2 (lightscale/parallel/fsdp_wires.py) on 2 and 4 gloo ranks: a tiny MLP trained with SGD + momentum.
 
 What is checked, each against something that can fail:
 * quantization off (and hpZ alone, which moves full-precision values) is bitwise plain FSDP2;
@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightscale.measure.comm_counter import CollectiveCounter
 from lightscale.parallel import zeropp
-from lightscale.parallel.zeropp import QuantizedAllGather, QuantizedReduceScatter, ZeroPPOptions, apply_zeropp
+from lightscale.parallel.fsdp_wires import QuantizedAllGather, QuantizedReduceScatter, ZeroPPOptions, apply_zeropp
 from lightscale.testing import run_distributed
 
 WIDTH, IN, OUT, BLOCKS = 64, 16, 16, 2

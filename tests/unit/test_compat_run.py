@@ -17,6 +17,7 @@ def test_a_refused_torch_names_the_constraint_that_caps_it(tmp_path: Path, monke
     cap = tmp_path / "constraints.txt"
     cap.write_text("numpy<3\ntorch<=2.14.1\n")
     monkeypatch.setenv("PIP_CONSTRAINT", str(cap))  # as /etc/xdg/pip/pip.conf's `constraint =` on the dev machines
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # that file itself is not read: the cap is this test's alone
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "pip").symlink_to(Path(sys.executable).parent / "pip")

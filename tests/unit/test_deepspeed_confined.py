@@ -1,9 +1,10 @@
-"""Every line that knows DeepSpeed lives in lightscale/zero/ (plus the patch module lightscale/patches/deepspeed.py):
-no other module imports deepspeed, at module level or inside a function, or names one of its attributes. The ZeRO
-strategy class (lightscale/strategies/zero.py) starts the engine through zero/build.py and answers the shard
-questions from zero/partition.py (strategies/zero_shards.py); callbacks, the estimator, storage and checkpoint code
-ask the strategy instead (lightscale/strategies/shards.py: ``local_shard``, ``global_shape``, ``global_numel``,
-``parameter_tensors``, the optimizer's gradient and state tensors)."""
+"""Every line that knows DeepSpeed lives in the family package lightscale/strategies/deepspeed/ (plus the patch module
+patches/deepspeed.py and the offline reader of its directories, checkpoint/deepspeed_dir.py): no other module imports
+deepspeed, at module level or inside a function, or names one of its attributes. The ZeRO strategy class
+(deepspeed/strategy.py) starts the engine through deepspeed/build.py and answers the shard questions from
+deepspeed/partition.py (deepspeed/shards.py); callbacks, the estimator, storage and checkpoint code ask the strategy
+instead (lightscale/strategies/shards.py: ``local_shard``, ``global_shape``, ``global_numel``, ``parameter_tensors``,
+the optimizer's gradient and state tensors)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "lightscale"
-ALLOWED = ("zero/", "patches/deepspeed.py")
+ALLOWED = ("strategies/deepspeed/", "checkpoint/deepspeed_dir.py", "patches/deepspeed.py")
 
-# DeepSpeed's own names: ZeRO-3 parameter attributes, ZeRO optimizer attributes, its helpers (grep of lightscale/zero/
-# and patches/deepspeed.py). A name here, as an attribute, a variable or a string (getattr), outside ALLOWED fails.
+# DeepSpeed's own names: ZeRO-3 parameter attributes, ZeRO optimizer attributes, its helpers (grep of
+# strategies/deepspeed/ and patches/deepspeed.py). A name here, as an attribute, a variable or a string (getattr),
+# outside ALLOWED fails.
 DEEPSPEED_NAMES = frozenset(
     {
         *("ds_tensor", "ds_shape", "ds_numel", "ds_id", "ds_persist", "ds_status", "ds_active_sub_modules"),
@@ -26,7 +28,10 @@ DEEPSPEED_NAMES = frozenset(
         *("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"),
         *("safe_set_full_optimizer_state", "GatheredParameters", "zero_to_fp32", "set_gradient_accumulation_boundary"),
         *("round_robin_bit16_meta", "round_robin_bit16_offsets", "real_dp_process_group", "bit16_groups_flat"),
-        *("sub_group_process_groups", "partition_numel"),  # the flat layout FlatMuon is given (zero/partition.py)
+        *(
+            "sub_group_process_groups",
+            "partition_numel",
+        ),  # the flat layout FlatMuon is given (strategies/deepspeed/partition.py)
     }
 )
 
@@ -67,7 +72,9 @@ def files_naming_deepspeed() -> dict[str, list[str]]:
 
 
 def test_only_zero_knows_deepspeed() -> None:
-    assert files_naming_deepspeed() == {}, "ask the strategy (lightscale/strategies/shards.py); answer in zero/"
+    assert files_naming_deepspeed() == {}, (
+        "ask the strategy (lightscale/strategies/shards.py); answer in strategies/deepspeed/"
+    )
 
 
 def test_the_check_sees_a_planted_read(tmp_path: Path) -> None:

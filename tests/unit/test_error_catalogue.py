@@ -94,13 +94,13 @@ def _dims(**kwargs):
 
 
 def _zero(**kwargs):
-    from lightscale.strategies.zero import ZeroStrategy
+    from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 
     return ZeroStrategy(**kwargs)
 
 
 def _ds_config(config):
-    from lightscale.zero.config import validate_user_config
+    from lightscale.strategies.deepspeed.config import validate_user_config
 
     return validate_user_config(config)
 
@@ -241,7 +241,7 @@ def _module(**kwargs):
 
 
 def _not_writable():
-    from lightscale.zero.config import writable_dir
+    from lightscale.strategies.deepspeed.config import writable_dir
 
     writable_dir(Path("/proc/lightscale_offload"))
 
@@ -359,7 +359,7 @@ def _muon_on_zero3_partitioned():
         def __init__(self) -> None:
             super().__init__()
             self.weight = torch.nn.Parameter(torch.empty(0))
-            self.weight.ds_tensor = torch.zeros(8)  # what ZeRO-3 keeps (lightscale/zero/partition.py)
+            self.weight.ds_tensor = torch.zeros(8)  # what ZeRO-3 keeps (lightscale/strategies/deepspeed/partition.py)
 
         def configure_optimizers(self):
             return torch.optim.Muon(self.parameters())
@@ -372,7 +372,7 @@ def _muon_on_zero3_partitioned():
 def _muon_on_bf16_optimizer():
     """The optimizer DeepSpeed hands lightscale for zero1 + bf16 with fp32 gradient accumulation (BF16_Optimizer,
     stood in by a class of that name: none of ZeRO's partition attributes), as FlatMuon's set-up reads it."""
-    from lightscale.zero.partition import flat_groups
+    from lightscale.strategies.deepspeed.partition import flat_groups
 
     flat_groups(type("BF16_Optimizer", (), {})())
 
@@ -456,7 +456,7 @@ def _moe_layer(dim):
 
 
 def _precision_section(name):
-    from lightscale.zero.config import precision_section
+    from lightscale.strategies.deepspeed.config import precision_section
 
     precision_section(name)
 
@@ -545,7 +545,7 @@ def _diloco(world_size=None, **kwargs):
 
 
 def _fault_tolerance(call=None, **kwargs):
-    from lightscale.parallel.diloco import FaultTolerance
+    from lightscale.fault_tolerance import FaultTolerance
 
     with mock.patch.dict(os.environ, {"LIGHTSCALE_REPLICA_ID": ""}):
         ft = FaultTolerance(**kwargs)
@@ -574,7 +574,7 @@ def _ft_hsdp_replicated_inside():
 
 def _ft_replica():
     from lightscale import FaultTolerance
-    from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
+    from lightscale.fault_tolerance.replica import FaultTolerantReplica
 
     return FaultTolerantReplica(FaultTolerance(replica_id="replica_0", lighthouse="http://127.0.0.1:1"))
 
@@ -603,7 +603,7 @@ def _ft_weight_averaging():
 def _ft_second_step_in_a_batch():
     """Manual optimization stepping twice in one batch: the second step finds the batch's quorum committed
     (tests/unit/test_fault_tolerant_commit.py runs it in a fit)."""
-    from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+    from lightscale.fault_tolerance.step import FaultTolerantStep
 
     replica = _ft_replica()
     replica.step = FaultTolerantStep(replica.settings, state_dict=dict, load_state_dict=print, manager=object())

@@ -10,7 +10,7 @@ The scan reads every string constant of lightscale/ (``ast``) equal to a family 
 string (a docstring's example, a message naming the strategy to use) is not a use as a key and is not counted.
 ``diloco`` is not in the set: DiLoCo declares no rules of its own (its workers run the inner strategy's), and the
 string names other things owned elsewhere: the outer-sync mode (``parallel/diloco/outer_settings.py``) and the
-checkpoint section (``checkpoint/diloco_state.py``).
+checkpoint section (``strategies/diloco/saved_state.py``).
 
 The same scan holds every registered strategy name (``aliases``: ``zero3``, ``fsdp2_offload``, ...) to the module of
 the class that registers it, except DiLoCo's names that are also its outer-sync modes (``MODES``: ``diloco``,
@@ -60,7 +60,7 @@ def _strays(root: Path, owners: dict[str, Path]) -> list[str]:
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in owners):
                 continue
             if owners[node.value] != path.resolve() and (where, node.value) not in NOT_A_FAMILY:
-                found.append(f"lightscale/{where}:{node.lineno} {node.value!r} (declared in {owners[node.value].name})")
+                found.append(f"lightscale/{where}:{node.lineno} {node.value!r} (declared in {owners[node.value].parent.name}/{owners[node.value].name})")
     return found
 
 
@@ -91,4 +91,4 @@ def test_a_planted_family_string_fails(tmp_path: Path) -> None:
     planted.parent.mkdir()
     planted.write_text('ONLY_UNDER = {"powersgd": ("bucketed_ddp",)}\n')
     found = _strays(tmp_path, _owners())
-    assert found == ["lightscale/callbacks/planted.py:1 'bucketed_ddp' (declared in bucketed_ddp.py)"]
+    assert found == ["lightscale/callbacks/planted.py:1 'bucketed_ddp' (declared in ddp/strategy.py)"]

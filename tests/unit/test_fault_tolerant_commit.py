@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightscale import FaultTolerance
 from lightscale.data.sampler import ExactlyOnceSampler
 from lightscale.errors import ConfigurationError
+from lightscale.fault_tolerance.replica import FaultTolerantReplica
 from lightscale.strategies import BucketedDDPStrategy
-from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
 from lightscale.testing import run_distributed
 
 SAMPLES, BATCH, LR, MOMENTUM = 64, 8, 0.1, 0.9

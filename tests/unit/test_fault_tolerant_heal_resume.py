@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightscale.data.sampler import ExactlyOnceSampler
+from lightscale.fault_tolerance.replica import FaultTolerantReplica
 from lightscale.strategies import BucketedDDPStrategy
-from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
 from lightscale.testing import run_distributed
 
 SAMPLES, BATCH = 64, 8  # 8 batches an epoch

@@ -25,11 +25,11 @@ FLOORS = {
     "lightscale.layers": 1,
     "lightscale.parallel": 2,
     "lightscale.optim": 2,
-    "lightscale.zero": 3,
     "lightscale.data": 3,
     "lightscale.plugins": 3,
     "lightscale.estimate": 3,
     "lightscale.checkpoint": 4,
+    "lightscale.fault_tolerance": 4,
     "lightscale.strategies": 5,
     "lightscale.callbacks": 6,
     "lightscale.recipes": 6,
@@ -42,6 +42,9 @@ FLOORS = {
     "lightscale.streams": 8,
     "lightscale.comm_counter": 8,
     "lightscale.storage.local_s3": 8,
+    "lightscale.zero": 8,
+    "lightscale.parallel.diloco.lighthouse": 8,
+    "lightscale.strategies.inner": 8,
 }
 
 

@@ -14,6 +14,11 @@ MOVED = {
     "lightscale.streams": "lightscale.data.streams",
     "lightscale.comm_counter": "lightscale.measure.comm_counter",  # docs/strategies/diloco.md's SlowLink
     "lightscale.storage.local_s3": "lightscale.testing.local_s3",  # python -m, docs/plugins/checkpoint.md
+    # the house by concept: the ZeRO family's engine, fault tolerance and DiLoCo's inner strategies moved
+    "lightscale.zero.ops": "lightscale.strategies.deepspeed.ops",  # python -m, Makefile and docs/strategies/zero.md
+    "lightscale.zero.checkpoint_dir": "lightscale.checkpoint.deepspeed_dir",  # docs/strategies/zero.md
+    "lightscale.parallel.diloco.lighthouse": "lightscale.fault_tolerance.lighthouse",  # python -m, the FT docs
+    "lightscale.strategies.inner": "lightscale.strategies.diloco.inner",  # docs/strategies/diloco.md
 }
 
 
@@ -40,6 +45,27 @@ def test_old_script_path_runs_the_server_command(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sys, "argv", ["local_s3", "--help"])
     with pytest.raises(SystemExit) as done, pytest.warns(DeprecationWarning):
         runpy.run_module("lightscale.storage.local_s3", run_name="__main__")
+    assert done.value.code == 0
+
+
+@pytest.mark.parametrize("name", ["FaultTolerance", "FaultTolerantOuterSync", "RoundRecord"])
+def test_old_diloco_names_warn_and_give_the_fault_tolerance_ones(name: str) -> None:
+    """``from lightscale.parallel.diloco import FaultTolerance`` (docs/strategies/diloco.md before the move)."""
+    import lightscale.fault_tolerance.diloco as home
+    import lightscale.parallel.diloco as old
+
+    with pytest.warns(DeprecationWarning, match="lightscale.fault_tolerance"):
+        assert getattr(old, name) is getattr(home, name)
+
+
+def test_old_lighthouse_command_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m lightscale.parallel.diloco.lighthouse --help`` (the FT docs' command before the move)."""
+    import runpy
+
+    monkeypatch.delitem(sys.modules, "lightscale.parallel.diloco.lighthouse", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lighthouse", "--help"])
+    with pytest.raises(SystemExit) as done, pytest.warns(DeprecationWarning):
+        runpy.run_module("lightscale.parallel.diloco.lighthouse", run_name="__main__")
     assert done.value.code == 0
 
 

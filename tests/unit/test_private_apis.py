@@ -49,7 +49,7 @@ def test_the_restoring_methods_are_the_pinned_ones() -> None:
     assert RESTORING == private_reads.RESTORING
 
 
-def test_fsdp2_custom_comm_hooks_keep_their_signatures() -> None:  # lightscale/parallel/zeropp.py implements them
+def test_fsdp2_custom_comm_hooks_keep_their_signatures() -> None:  # lightscale/parallel/fsdp_wires.py implements them
     import inspect
 
     from torch.distributed.fsdp import FSDPModule
@@ -98,7 +98,9 @@ def test_deepspeed_engine_internals(pattern: str, used_for: str) -> None:
         "bit16_groups_flat",
     ],
 )
-def test_zero12_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+def test_zero12_flat_layout_attributes(
+    attribute: str,
+) -> None:  # lightscale/strategies/deepspeed/partition.py flat_groups (FlatMuon)
     import inspect
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -109,7 +111,9 @@ def test_zero12_flat_layout_attributes(attribute: str) -> None:  # lightscale/ze
 
 
 @pytest.mark.parametrize("attribute", ["fp32_partitioned_groups_flat", "sub_group_process_groups", "fp16_groups"])
-def test_zero3_flat_layout_attributes(attribute: str) -> None:  # lightscale/zero/partition.py flat_groups (FlatMuon)
+def test_zero3_flat_layout_attributes(
+    attribute: str,
+) -> None:  # lightscale/strategies/deepspeed/partition.py flat_groups (FlatMuon)
     import inspect
 
     from deepspeed.runtime.zero.partition_parameters import Init
@@ -121,7 +125,9 @@ def test_zero3_flat_layout_attributes(attribute: str) -> None:  # lightscale/zer
     assert "def partition_numel" in inspect.getsource(Init)  # the per-rank piece, ceil(numel / ranks)
 
 
-def test_zero3_gathers_to_ds_shape() -> None:  # lightscale/zero/engine.py scalars_as_vectors sets it back to []
+def test_zero3_gathers_to_ds_shape() -> (
+    None
+):  # lightscale/strategies/deepspeed/engine.py scalars_as_vectors sets it back to []
     import inspect
 
     from deepspeed.runtime.zero import partition_parameters

@@ -13,7 +13,7 @@ import pytest
 from lightscale.errors import ConfigurationError
 from lightscale.storage.staged_copy import local_directory, scratch_directory, upload_directory
 from lightscale.storage.urls import COMPLETE, checkpoint_location
-from lightscale.zero.checkpoint_dir import read_by_rank
+from lightscale.strategies.deepspeed.checkpoint import read_by_rank
 
 ROOT = "memory://staged"
 

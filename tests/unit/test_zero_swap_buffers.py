@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightscale.zero.config import ZeroOptions, zero_section
-from lightscale.zero.partition import largest_parameter
+from lightscale.strategies.deepspeed.config import ZeroOptions, zero_section
+from lightscale.strategies.deepspeed.partition import largest_parameter
 
 INFINITY = ZeroOptions(stage=3, offload_optimizer=True, offload_params=True, nvme_path="/tmp/swap")
 

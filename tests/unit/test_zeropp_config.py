@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.zeropp import BLOCK, ZeroPPOptions, dequantize_rows, quantize_rows, wire_bytes
+from lightscale.parallel.fsdp_wires import BLOCK, ZeroPPOptions, dequantize_rows, quantize_rows, wire_bytes
 from lightscale.strategies import FSDP2Strategy
 
 
@@ -93,8 +93,8 @@ def test_rounding_is_unbiased_for_values_below_half_a_step(bits: int) -> None:
 
 # ---- zero3: the same arguments passed through to DeepSpeed's ZeRO++ ----------------------------------------------
 def test_zero3_passes_zeropp_to_deepspeed() -> None:
-    from lightscale.strategies.zero import ZeroStrategy
-    from lightscale.zero.config import build_config
+    from lightscale.strategies.deepspeed.config import build_config
+    from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 
     strategy = ZeroStrategy(stage=3, quantized_weights="int8", quantized_gradients="int4", secondary_shard="node")
     config = build_config(
@@ -124,7 +124,7 @@ def test_zero3_passes_zeropp_to_deepspeed() -> None:
     ],
 )  # fmt: skip
 def test_zero3_zeropp_refused_at_construction(kwargs: dict, match: str) -> None:
-    from lightscale.strategies.zero import ZeroStrategy
+    from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 
     with pytest.raises(ConfigurationError, match=match):
         ZeroStrategy(**kwargs)
@@ -132,7 +132,7 @@ def test_zero3_zeropp_refused_at_construction(kwargs: dict, match: str) -> None:
 
 def test_zero3_zeropp_refused_on_cpu_when_the_trainer_is_built() -> None:
     import lightscale
-    from lightscale.strategies.zero import ZeroStrategy
+    from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 
     with pytest.raises(
         ConfigurationError, match=r"runs DeepSpeed's CUDA quantizer, which has no build for cpu.*fsdp2_zeropp"

@@ -1,9 +1,16 @@
-"""DiLoCo and local SGD as a torch-only building block: :class:`OuterSync` (the ``diloco`` strategies drive it).
+"""DiLoCo's engine, torch only: :class:`OuterSync` (the outer optimizer, its schedule of fragments and its wire),
+which the ``diloco`` strategies drive (lightscale/strategies/diloco/). It stays below the strategies because fault
+tolerance's per-round mode (lightscale/fault_tolerance/diloco.py: workers that may fail and rejoin) builds on it.
 
-:class:`FaultTolerantOuterSync` runs it across workers that may fail and rejoin (torchft, the ``[ft]`` extra).
+``FaultTolerance``, ``FaultTolerantOuterSync`` and ``RoundRecord`` moved to lightscale.fault_tolerance; the docs
+showed ``from lightscale.parallel.diloco import FaultTolerance``, so for a release these names still resolve here,
+with a ``DeprecationWarning`` (a module ``__getattr__``: the one import that may run up the floors, for old names).
 """
 
-from lightscale.parallel.diloco.fault_tolerant import FaultTolerance, FaultTolerantOuterSync, RoundRecord
+import importlib
+import warnings
+from typing import Any
+
 from lightscale.parallel.diloco.outer_settings import (
     MODES,
     check_outer_settings,
@@ -19,10 +26,7 @@ from lightscale.parallel.diloco.wire import Codec
 __all__ = [
     "MODES",
     "Codec",
-    "FaultTolerance",
-    "FaultTolerantOuterSync",
     "OuterSync",
-    "RoundRecord",
     "Schedule",
     "check_outer_settings",
     "check_synchronous_steps",
@@ -31,3 +35,21 @@ __all__ = [
     "sgd_outer_optimizer",
     "split_fragments",
 ]
+
+# old documented name -> its module in lightscale.fault_tolerance
+_MOVED = {
+    "FaultTolerance": "lightscale.fault_tolerance.settings",
+    "FaultTolerantOuterSync": "lightscale.fault_tolerance.diloco",
+    "RoundRecord": "lightscale.fault_tolerance.diloco",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"lightscale.parallel.diloco.{name} moved to {_MOVED[name]}; import it from there",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -1,7 +1,7 @@
 """DiLoCo's checkpoints (its ``checkpointer_class``): what they read of the live run, the fp32 global model under the
 module's names (the ``model.*`` entries), and whether a checkpoint resumes exactly at this layout or restarts every
 worker from the global model; what :class:`DiLoCoCheckpointer` saves and loads while the strategy trains (otherwise,
-as any strategy's). The layout on disk is lightscale/checkpoint/diloco_state.py's.
+as any strategy's). The layout on disk is lightscale/strategies/diloco/saved_state.py's.
 
 Example:
     >>> global_model(module, outer)  # {"net.0.weight": <the global copy>, ..., "net.1.running_mean": ...}
@@ -16,17 +16,17 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightscale.checkpoint.diloco_state import (
+from lightscale.checkpoint.portable import write_checkpoint
+from lightscale.errors import ConfigurationError
+from lightscale.parallel.diloco import OuterSync
+from lightscale.strategies.checkpointer import Checkpointer
+from lightscale.strategies.diloco.saved_state import (
     diloco_state,
     like_param,
     load_diloco_state,
     load_global_state,
     read_diloco_state,
 )
-from lightscale.checkpoint.portable import write_checkpoint
-from lightscale.errors import ConfigurationError
-from lightscale.parallel.diloco import OuterSync
-from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.weight_averaging import drop_average
 
 if TYPE_CHECKING:

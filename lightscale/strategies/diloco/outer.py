@@ -14,9 +14,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightscale.parallel.diloco import FaultTolerantOuterSync, OuterSync
+from lightscale.fault_tolerance.diloco import FaultTolerantOuterSync
+from lightscale.fault_tolerance.diloco_worker import fault_tolerant_outer_sync
+from lightscale.parallel.diloco import OuterSync
 from lightscale.parallel.mesh import axis
-from lightscale.strategies.diloco.fault_tolerant import fault_tolerant_outer_sync
 
 if TYPE_CHECKING:
     from lightscale.strategies.diloco.strategy import DiLoCoStrategy

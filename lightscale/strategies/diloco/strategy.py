@@ -5,10 +5,10 @@ the worker's ranks); the layout is ``ParallelDims(dp_replicate=workers, dp_shard
 ``sync_every``-th optimizer step (Lightning's, so gradient accumulation counts steps, not micro-batches)
 :class:`~lightscale.parallel.diloco.OuterSync` averages the pseudo-gradients (or, for ``local_sgd``, the parameters)
 over the ``dp_replicate`` group of each shard position. Every rank reads its own data shard (dp = workers x inner).
-Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/checkpoint/diloco_state.py).
+Validation and checkpoints' ``model.*`` entries see the fp32 global model (lightscale/strategies/diloco/saved_state.py).
 With ``fault_tolerant=`` the launch is one worker and :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`
 meets the other launches through torchft: a worker may die, hang or rejoin without stopping the others (what that
-adds to the strategy: lightscale/strategies/diloco/fault_tolerant.py).
+adds to the strategy: lightscale/fault_tolerance/diloco_worker.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from typing_extensions import override
 from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
+from lightscale.fault_tolerance.diloco_worker import (
+    fault_tolerance_of,
+    join_first_quorum,
+    worker_data_shard,
+)
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
@@ -45,14 +50,10 @@ from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS, init_arguments
+from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.strategies.diloco.checkpoint import DiLoCoCheckpointer, check_file_format
-from lightscale.strategies.diloco.fault_tolerant import (
-    fault_tolerance_of,
-    join_first_quorum,
-    worker_data_shard,
-)
+from lightscale.strategies.diloco.inner import InnerStrategy
 from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back, outer_sync_for
 from lightscale.strategies.diloco.workers import (
     DEFAULT_INNER,
@@ -65,7 +66,6 @@ from lightscale.strategies.diloco.workers import (
     shards_parameters,
     worker_dims,
 )
-from lightscale.strategies.inner import InnerStrategy
 
 
 class DiLoCoStrategy(LightscaleStrategy):
@@ -75,9 +75,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         workers: replica groups that sync every ``sync_every`` steps; default one per node on several nodes, one
             per rank on one machine. Must divide the world size.
         inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or any
-            object that answers :class:`~lightscale.strategies.inner.InnerStrategy` (``BucketedDDPStrategy(...)``,
+            object that answers ``InnerStrategy`` (diloco/inner.py) (``BucketedDDPStrategy(...)``,
             ``FSDP2Strategy(...)``, a user's own) whose settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's
-            reduce dtype) the worker runs with (lightscale/strategies/inner.py).
+            reduce dtype) the worker runs with (lightscale/strategies/diloco/inner.py).
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
         outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
             ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in

@@ -1,5 +1,5 @@
 """What a DiLoCo worker is: the inner strategy its ranks run (a name or any object answering
-:class:`~lightscale.strategies.inner.InnerStrategy`), how workers divide the ranks, and what that holds in memory.
+``InnerStrategy`` (diloco/inner.py)), how workers divide the ranks, and what that holds in memory.
 
 Example:
     >>> worker_dims(8, 2)  # two workers of four ranks each
@@ -16,9 +16,9 @@ from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import FLOAT8
-from lightscale.strategies.bucketed_ddp import BucketedDDPStrategy
-from lightscale.strategies.fsdp2 import FSDP2Strategy
-from lightscale.strategies.inner import InnerStrategy
+from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
+from lightscale.strategies.diloco.inner import InnerStrategy
+from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 
 # inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
 INNER_CLASSES: dict[str, type[BucketedDDPStrategy] | type[FSDP2Strategy]] = {
@@ -31,14 +31,14 @@ Inner = Literal[INNERS]  # type: ignore[valid-type]  # the names, for jsonargpar
 
 def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
     """The inner strategy object: a name builds it with its defaults; an object satisfying
-    :class:`~lightscale.strategies.inner.InnerStrategy` is used as given (its own settings: bucket sizes, bf16 or
+    :class:`~lightscale.strategies.diloco.inner.InnerStrategy` is used as given (its own settings: bucket sizes, bf16 or
     PowerSGD gradients, FSDP2's reduce dtype), after refusing the settings it says cannot nest."""
     if isinstance(inner, str) and inner in INNER_CLASSES:
         return INNER_CLASSES[inner]()
     if isinstance(inner, str) or not isinstance(inner, InnerStrategy):
         raise ConfigurationError(
             f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a strategy "
-            "object that answers lightscale.strategies.inner.InnerStrategy (BucketedDDPStrategy, FSDP2Strategy; "
+            "object that answers lightscale.strategies.diloco.inner.InnerStrategy (BucketedDDPStrategy, FSDP2Strategy; "
             "engines that own the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
         )
     inner.check_inner_settings()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightscale.parallel.fault_tolerance import FaultTolerance, build_manager
+from lightscale.fault_tolerance.settings import FaultTolerance, build_manager
 
 
 class QuorumTimeoutError(RuntimeError):

@@ -19,9 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightscale.errors import ConfigurationError
+from lightscale.fault_tolerance.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
+from lightscale.fault_tolerance.replica import replica_data_shard as worker_data_shard  # noqa: F401 - one rule
 from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
-from lightscale.parallel.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
-from lightscale.strategies.fault_tolerant_step import replica_data_shard as worker_data_shard  # noqa: F401 - one rule
 
 
 def fault_tolerance_of(

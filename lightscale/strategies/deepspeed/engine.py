@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.layers.moe import moe_layers
 from lightscale.patches.deepspeed import name_cpu_accelerator
-from lightscale.zero.partition import is_partitioned, set_full_shape
+from lightscale.strategies.deepspeed.partition import is_partitioned, set_full_shape
 
 
 def require_deepspeed() -> None:
@@ -80,7 +80,7 @@ def scalars_as_vectors(module: nn.Module, *, stage: int) -> Iterator[None]:
     0's value of each such parameter (a plain broadcast). Then:
         * ZeRO-3: while the engine starts they are viewed as shape ``[1]`` (same storage, one element), so DeepSpeed
           partitions them like any other; after, their full shape ``ds_shape`` (what each gather restores,
-          lightscale/zero/partition.py) is set back to ``[]``.
+          lightscale/strategies/deepspeed/partition.py) is set back to ``[]``.
         * ZeRO-0/1/2: the engine's broadcast skips parameters marked ``ds_optim_param`` (its OptimizedLinear's own
           shards; the mark means nothing else unless OptimizedLinear offload is configured), so they carry it only
           while the engine starts. Their shape never changes: the gradient hooks ZeRO-1/2 register record it.

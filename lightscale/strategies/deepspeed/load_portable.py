@@ -1,7 +1,7 @@
-"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/zero/portable_save.py).
+"""Loading a portable checkpoint into a ZeRO engine (the save side: lightscale/strategies/deepspeed/portable_save.py).
 
 A bounded batch of whole parameters at a time (:data:`LOAD_BATCH_NUMEL` elements) is read and written into the engine's
-partitions (lightscale/zero/partition_writes.py: DeepSpeed's own setters); the working copies are then refreshed from
+partitions (deepspeed/partition_writes.py: DeepSpeed's own setters); the working copies are then refreshed from
 the masters, and each group's scalar states and hyper-parameters are set. This module reads the layout; every DeepSpeed
 attribute it needs is asked of lightscale/zero/.
 
@@ -21,9 +21,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightscale.checkpoint.portable import layout_entries, read_checkpoint
 from lightscale.storage.atomic_dir import complete_checkpoint
-from lightscale.zero.partition import whole_numel, whole_shape
-from lightscale.zero.partition_writes import refresh_working_copies, set_full_state, set_full_weight, set_scalars
-from lightscale.zero.portable_save import materialize_optimizer_state, unique_parameters, zero_optimizer
+from lightscale.strategies.deepspeed.partition import whole_numel, whole_shape
+from lightscale.strategies.deepspeed.partition_writes import (
+    refresh_working_copies,
+    set_full_state,
+    set_full_weight,
+    set_scalars,
+)
+from lightscale.strategies.deepspeed.portable_save import materialize_optimizer_state, unique_parameters, zero_optimizer
 
 LOAD_BATCH_NUMEL = 1 << 26  # elements of parameters read per batch at load (x3 with Adam's two moments, fp32)
 

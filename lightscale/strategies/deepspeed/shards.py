@@ -1,5 +1,5 @@
 """The ZeRO strategy's answers about its tensors (lightscale/strategies/shards.py asks): a ZeRO-3 parameter is
-DeepSpeed's, read through lightscale/zero/partition.py and optimizer_tensors.py; anything else gets the defaults.
+DeepSpeed's, read through strategies/deepspeed/partition.py and optimizer_tensors.py; anything else gets the defaults.
 
 Example:
     >>> shards_of(trainer.strategy).global_shape(param)  # under zero3: the full shape, not the empty data's
@@ -15,9 +15,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightscale.strategies.shards import TensorShards
-from lightscale.zero.optimizer_tensors import gradient_partitions, master_partitions
-from lightscale.zero.partition import (
+from lightscale.strategies.deepspeed.optimizer_tensors import gradient_partitions, master_partitions
+from lightscale.strategies.deepspeed.partition import (
     full_numel,
     is_partitioned,
     partition,
@@ -25,15 +24,16 @@ from lightscale.zero.partition import (
     stored_tensors,
     whole_shape,
 )
+from lightscale.strategies.shards import TensorShards
 
 
 class ZeroShards(TensorShards):
-    """TensorShards for DeepSpeed's partitions (:class:`~lightscale.strategies.zero.ZeroStrategy`'s
+    """TensorShards for DeepSpeed's partitions (:class:`~lightscale.strategies.deepspeed.strategy.ZeroStrategy`'s
     ``tensor_shards``)."""
 
     @override
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A ZeRO-3 parameter's piece is its partition, persistent or not (lightscale/zero/partition.py)."""
+        """A ZeRO-3 parameter's piece is its partition, persistent or not (strategies/deepspeed/partition.py)."""
         return partition(tensor) if is_partitioned(tensor) else super().local_shard(tensor)
 
     @override

@@ -1,8 +1,8 @@
 """How a replica group meets the others through torchft: :class:`FaultTolerance` (the settings every fault-tolerant
 strategy takes) and :func:`build_manager` (one torchft ``Manager`` per rank, served by the group's own store).
 
-Two features use them: fault-tolerant DiLoCo (a quorum per round, lightscale/parallel/diloco/fault_tolerant.py) and
-per-step fault tolerance of ``bucketed_ddp`` (a quorum per optimizer step, lightscale/parallel/fault_tolerant_step.py).
+Two features use them: fault-tolerant DiLoCo (a quorum per round, lightscale/fault_tolerance/diloco.py) and
+per-step fault tolerance of ``bucketed_ddp`` (a quorum per optimizer step, lightscale/fault_tolerance/step.py).
 
 Example:
     >>> ft = FaultTolerance(replica_id="replica_0", min_replicas=1, lighthouse="http://127.0.0.1:29510")
@@ -72,7 +72,7 @@ class FaultTolerance:
             raise ConfigurationError(
                 f"lighthouse={self.lighthouse!r} ({LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)!r}) is not an "
                 f"address: pass FaultTolerance(lighthouse='http://127.0.0.1:29510') or set {LIGHTHOUSE_ENV}, after "
-                f"starting one with `python -m lightscale.parallel.diloco.lighthouse --min-replicas 1 --port 29510`."
+                f"starting one with `python -m lightscale.fault_tolerance.lighthouse --min-replicas 1 --port 29510`."
             )
         return lighthouse
 

@@ -1,5 +1,5 @@
 """Starting DeepSpeed for the ZeRO strategy: its process group, the engine config from the Trainer's settings, the
-engine over the LightningModule, and ZeRO-3's partitioned construction. lightscale/strategies/zero.py stays the
+engine over the LightningModule, and ZeRO-3's partitioned construction. strategies/deepspeed/strategy.py stays the
 Lightning-facing class and imports DeepSpeed only through this module (and the rest of lightscale/zero/).
 
 Example:
@@ -19,15 +19,20 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightscale.checkpoint.deepspeed_dir import safe_checkpoint_engine
 from lightscale.optim.combined import CombinedOptimizer
 from lightscale.optim.flat_muon import FlatMuon
 from lightscale.optim.install import attach_flat, rebind_scheduler
 from lightscale.patches.deepspeed import extensions_dir, replace_checkpoint_engine
-from lightscale.zero.checkpoint_dir import safe_checkpoint_engine
-from lightscale.zero.config import ZeroOptions, build_config, micro_batch_size, writable_dir
-from lightscale.zero.engine import EngineRoot, check_async_io, scalars_as_vectors, silence_deepspeed_noise
-from lightscale.zero.partition import flat_groups, largest_parameter
-from lightscale.zero.portable_save import zero_optimizer
+from lightscale.strategies.deepspeed.config import ZeroOptions, build_config, micro_batch_size, writable_dir
+from lightscale.strategies.deepspeed.engine import (
+    EngineRoot,
+    check_async_io,
+    scalars_as_vectors,
+    silence_deepspeed_noise,
+)
+from lightscale.strategies.deepspeed.partition import flat_groups, largest_parameter
+from lightscale.strategies.deepspeed.portable_save import zero_optimizer
 
 
 def init_deepspeed_distributed(backend: str) -> None:

@@ -8,7 +8,7 @@ name               what is sharded                                              
 ``hsdp``           sharded within groups of ``dp_shard`` ranks, replicated across    ZeRO-3 x DDP
 ``fsdp2_offload``  as ``fsdp2``, shards, gradients and optimizer step on the CPU     ZeRO-3 offload
 ``fsdp2_zeropp``   as ``fsdp2``, weights and gradients sent as blockwise int8,        ZeRO++
-                   secondary shards inside each node (lightscale/parallel/zeropp.py)
+                   secondary shards inside each node (lightscale/parallel/fsdp_wires.py)
 =================  =================================================================  ==================
 
 The model is built on the meta device in ``configure_model`` and materialized shard by shard after
@@ -35,15 +35,20 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.fault_tolerance import replica as fault_tolerant_step
+from lightscale.fault_tolerance.settings import FaultTolerance
+from lightscale.fault_tolerance.sharded_replica import (
+    ShardedFaultTolerantReplica,
+    check_replicate_under_ft,
+)
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_roots, manual_optimization, sharding_units
-from lightscale.parallel.fault_tolerance import FaultTolerance
 from lightscale.parallel.fsdp import (
     no_gradient_sync,
 )
+from lightscale.parallel.fsdp_wires import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.parallel.mesh import ParallelDims, check_degrees
 from lightscale.parallel.parallelize import ParallelizeOptions, apply_to_roots, built_on_meta, parallelize_model
-from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.plugins.fsdp_precision import float8_options, fsdp2_precision_plugin, mp_policy, precision_name
 from lightscale.plugins.precision_contract import (
     FLOAT8,
@@ -54,13 +59,8 @@ from lightscale.plugins.precision_contract import (
     enforce_contract,
     float8_refused,
 )
-from lightscale.strategies import fault_tolerant_step
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import init_arguments
-from lightscale.strategies.fault_tolerant_shards import (
-    ShardedFaultTolerantReplica,
-    check_replicate_under_ft,
-)
 
 
 class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
@@ -96,7 +96,6 @@ class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
     """
 
     # The standard meanings, realised by FSDP's MixedPrecisionPolicy; float8 on CUDA (torchao's emulation on CPU).
-    checkpointer_class = fault_tolerant_step.FaultTolerantCheckpointer  # torchft state with fault_tolerant=
     precision_rules = PrecisionRules(
         "fsdp2",
         how={
@@ -279,7 +278,7 @@ class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
     def model_to_device(self) -> None:
         pass  # apply_parallelism places (or materializes) the shards
 
-    # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): FSDP2 over the worker's ranks -----------------
+    # ---- inside a DiLoCo worker (strategies/diloco/inner.py): FSDP2 over the worker's ranks -----------------
     shards_parameters = True
 
     def check_inner_settings(self) -> None:

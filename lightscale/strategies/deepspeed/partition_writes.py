@@ -1,10 +1,10 @@
 """Writing whole tensors into a ZeRO engine's partitions, one parameter at a time: what
-lightscale/checkpoint/load_into_zero.py calls to fill an engine from the portable layout (the save side:
-lightscale/zero/portable_save.py).
+lightscale/strategies/deepspeed/load_portable.py calls to fill an engine from the portable layout (the save side:
+lightscale/strategies/deepspeed/portable_save.py).
 
 DeepSpeed's own helpers write a full fp32 weight or optimizer state into this rank's partition: ZeRO-1/2's
 (``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``) find the parameter's fragment themselves; ZeRO-3's
-are handed this rank's piece (``safe_set_local_*``, :func:`~lightscale.zero.partition.own_piece`), because DeepSpeed's
+are handed this rank's piece (``safe_set_local_*``, ``partition.own_piece``), because DeepSpeed's
 full setters read past the end of a parameter the ranks do not divide (a 1-element bias on 2 ranks). A ZeRO-3 working
 partition is rewritten from rank 0's copy inside ``GatheredParameters``; ZeRO-1/2 refresh their working copies from
 the masters once at the end.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightscale.zero.partition import (
+from lightscale.strategies.deepspeed.partition import (
     fp32_partitions,
     full_shape,
     is_partitioned,
@@ -31,7 +31,7 @@ from lightscale.zero.partition import (
     own_piece,
     set_full_shape,
 )
-from lightscale.zero.portable_save import partition_group
+from lightscale.strategies.deepspeed.portable_save import partition_group
 
 
 def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> None:
@@ -53,7 +53,7 @@ def set_full_weight(param: nn.Parameter, value: Tensor, zero: Any | None) -> Non
 @contextmanager
 def _gathered_as_vector(param: nn.Parameter) -> Iterator[None]:
     """A 0-dim ZeRO-3 parameter gathered as shape [1] meanwhile: leaving the gather broadcasts rank 0's bytes
-    (``p.data.view(torch.uint8)``), which a 0-dim tensor refuses (lightscale/zero/engine.py scalars_as_vectors)."""
+    (``p.data.view(torch.uint8)``), which a 0-dim tensor refuses (strategies/deepspeed/engine.py scalars_as_vectors)."""
     scalar = full_shape(param) == torch.Size([])
     if scalar:
         set_full_shape(param, torch.Size([1]))

@@ -3,7 +3,7 @@
 DeepSpeed's bf16 and fp16 engines convert the module (no autocast) and step an fp32 master copy of each rank's
 partition; in fp32 its optimizer still steps a copy of its own. ``ZeroStrategy.precision_rules`` declares these rows
 (lightscale/plugins/precision_contract.py warns at start-up where the values change); the engine config that
-realises them is :func:`lightscale.zero.config.precision_section`.
+realises them is :func:`lightscale.strategies.deepspeed.config.precision_section`.
 
 Example:
     >>> DEEPSPEED_MEANINGS["bf16-true"].master

@@ -10,66 +10,28 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
-from lightscale.parallel.activation_checkpoint import ACMode
-from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
-from lightscale.parallel.fault_tolerance import FaultTolerance
-from lightscale.parallel.parallelize import ParallelizeOptions
-from lightscale.parallel.powersgd import validate_powersgd
-from lightscale.plugins.fsdp_precision import precision_name
-from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
-from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.fault_tolerant_step import (
-    FaultTolerantCheckpointer,
+from lightscale.fault_tolerance.replica import (
     FaultTolerantHooks,
     FaultTolerantReplica,
     fault_tolerance_of,
     refuse_ft_inside_diloco,
 )
-
-
-class BucketedDDPCheckpointer(FaultTolerantCheckpointer):
-    """The portable layout, with every rank's PowerSGD state (and the fault-tolerance state) beside the random
-    states."""
-
-    strategy: BucketedDDPStrategy
-
-    @override
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Adds every rank's PowerSGD state (step, Qs, its own residuals) next to the random states (collective)."""
-        state = super().trainer_state(checkpoint)
-        strategy = self.strategy
-        powersgd = strategy.reducer.powersgd if strategy.reducer is not None else None
-        if powersgd is not None:
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, powersgd.state_dict())
-            state["lightscale"]["powersgd"] = states
-        return state
-
-    @override
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        super().restore_extras(meta, fitting=fitting)
-        strategy = self.strategy
-        powersgd = strategy.reducer.powersgd if strategy.reducer is not None else None
-        states = meta.get("lightscale", {}).get("powersgd")
-        if fitting and powersgd is not None and states:
-            world_size = strategy.world_size
-            same_world = len(states) == world_size
-            if not same_world:
-                rank_zero_warn(
-                    f"The checkpoint holds PowerSGD residuals of {len(states)} ranks and this run has "
-                    f"{world_size}: step count and Qs are restored, the error-feedback residuals start at zero."
-                )
-            powersgd.load_state_dict(states[strategy.global_rank if same_world else 0], residuals=same_world)
+from lightscale.fault_tolerance.settings import FaultTolerance
+from lightscale.parallel.activation_checkpoint import ACMode
+from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
+from lightscale.parallel.parallelize import ParallelizeOptions
+from lightscale.parallel.powersgd import EveryRankState, validate_powersgd
+from lightscale.plugins.fsdp_precision import precision_name
+from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
+from lightscale.strategies.base import LightscaleStrategy
 
 
 class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
@@ -102,7 +64,6 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
         compressions={"powersgd": "bucketed_ddp_powersgd"},
     )
     checkpoint_formats = ("dcp", "file")  # whole parameters on every rank: Lightning's single file too
-    checkpointer_class = BucketedDDPCheckpointer
     aliases = {
         "bucketed_ddp": ("lightscale's bucketed DDP: overlapped all-reduce, 25 MiB buckets", {}),
         "bucketed_ddp_bf16": ("bucketed_ddp with gradients sent as bf16 (half the bytes)", {"compression": "bf16"}),
@@ -176,7 +137,7 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
             powersgd_warmup_steps=self.powersgd_warmup_steps,
         )
 
-    # ---- inside a DiLoCo worker (lightscale/strategies/inner.py): the reducer over the worker's ranks -----------
+    # ---- inside a DiLoCo worker (strategies/diloco/inner.py): the reducer over the worker's ranks -----------
     shards_parameters = False
 
     def check_inner_settings(self) -> None:
@@ -217,6 +178,15 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
+
+    @override
+    def checkpoint_states(self) -> dict[str, Any]:
+        """Every rank's PowerSGD state (step, Qs, its own residuals) when it compresses, beside torchft's."""
+        states = super().checkpoint_states()
+        powersgd = self.reducer.powersgd if self.reducer is not None else None
+        if powersgd is not None:
+            states["powersgd"] = EveryRankState(powersgd)
+        return states
 
     @override
     def teardown(self) -> None:

@@ -6,7 +6,7 @@ parameter in ``param.ds_tensor`` (padded to ``ceil(numel / ranks)``); the full s
 under ``stage3_param_persistence_threshold`` (default 100k elements) are *persistent*: gathered whole once and kept,
 but their partition is still what the optimizer updates (DeepSpeed re-gathers them after each step). So the rank's
 own piece of every ZeRO-3 parameter, persistent or not, is its partition: one rule, which the strategy answers with
-(lightscale/strategies/zero_shards.py ``local_shard``).
+(lightscale/strategies/deepspeed/shards.py ``local_shard``).
 
 Example:
     >>> partition(param) is param.ds_tensor

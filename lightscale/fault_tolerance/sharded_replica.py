@@ -2,7 +2,7 @@
 inside (plain FSDP2 over its own ranks); the replicate dimension across launches is torchft's, managed per step.
 
 After FSDP2's reduce-scatter inside the replica, rank ``r`` averages its local gradient shards with rank ``r`` of
-the other replicas of the step (lightscale/parallel/fault_tolerant_step.py); ``should_commit`` gates the optimizer
+the other replicas of the step (lightscale/fault_tolerance/step.py); ``should_commit`` gates the optimizer
 step. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local tensors and
 is wrapped back into DTensors like this replica's own parameters on load.
 """
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.fault_tolerance import FaultTolerance
-from lightscale.strategies.fault_tolerant_step import FaultTolerantReplica
+from lightscale.fault_tolerance.replica import FaultTolerantReplica
+from lightscale.fault_tolerance.settings import FaultTolerance
 
 
 def check_replicate_under_ft(ft: FaultTolerance | None, dp_replicate: int) -> None:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightscale.fault_tolerance.settings import REPLICA_ID_ENV, FaultTolerance, build_manager
 from lightscale.parallel.diloco.outer_settings import Mode, OuterOptimizerFactory
 from lightscale.parallel.diloco.outer_sync import OuterSync
-from lightscale.parallel.fault_tolerance import REPLICA_ID_ENV, FaultTolerance, build_manager
 
 __all__ = ["REPLICA_ID_ENV", "FaultTolerance", "FaultTolerantOuterSync", "RoundRecord"]  # FaultTolerance: re-exported
 

@@ -1,11 +1,11 @@
 """The ZeRO family on DeepSpeed's engine: zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.
 
 Runs on CPU (gloo) as well as CUDA (nccl), unlike Lightning's DeepSpeedStrategy. The engine config is generated
-(lightscale/zero/config.py); the engine owns backward, gradient partitioning, clipping and the
+(lightscale/strategies/deepspeed/config.py); the engine owns backward, gradient partitioning, clipping and the
 optimizer step, while Lightning keeps owning the loop: gradient accumulation (the engine is told where the
 boundary is), LR schedulers (stepped per optimizer step, as under every other strategy) and logging. This class is
-the Lightning-facing side: DeepSpeed is started through lightscale/zero/build.py, the shard answers are
-strategies/zero_shards.py's, its checkpoints strategies/zero_checkpointer.py's.
+the Lightning-facing side: DeepSpeed is started through lightscale/strategies/deepspeed/build.py, the shard answers are
+strategies/deepspeed/shards.py's, its checkpoints strategies/deepspeed/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.optim.install import exact_optimizer
 from lightscale.optim.rule import ParameterView
-from lightscale.parallel.zeropp import GradientWire, WeightWire, ZeroPPOptions
+from lightscale.parallel.fsdp_wires import GradientWire, WeightWire, ZeroPPOptions
 from lightscale.patches.deepspeed import release_training_references
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import (
@@ -40,10 +40,7 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS
-from lightscale.strategies.weight_averaging import adopt_weight_averaging
-from lightscale.strategies.zero_checkpointer import ZeroCheckpointer
-from lightscale.strategies.zero_shards import ZeroShards
-from lightscale.zero.build import (
+from lightscale.strategies.deepspeed.build import (
     construction_config,
     engine_config,
     engine_wraps,
@@ -54,7 +51,8 @@ from lightscale.zero.build import (
     run_options,
     start_engine,
 )
-from lightscale.zero.config import (
+from lightscale.strategies.deepspeed.checkpoint import ZeroCheckpointer
+from lightscale.strategies.deepspeed.config import (
     ZeroOptions,
     check_clipping,
     check_zeropp_device,
@@ -63,7 +61,7 @@ from lightscale.zero.config import (
     writable_dir,
     zero_layout,
 )
-from lightscale.zero.engine import (
+from lightscale.strategies.deepspeed.engine import (
     check_zero_optimizer,
     explain_partitioned_shapes,
     host_optimizer,
@@ -71,8 +69,10 @@ from lightscale.zero.engine import (
     refuse_moe,
     require_deepspeed,
 )
-from lightscale.zero.portable_save import group_parameter_names
-from lightscale.zero.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
+from lightscale.strategies.deepspeed.portable_save import group_parameter_names
+from lightscale.strategies.deepspeed.precision import DEEPSPEED_MEANINGS, FP16_NEEDS_CUDA, NO_FLOAT8
+from lightscale.strategies.deepspeed.shards import ZeroShards
+from lightscale.strategies.weight_averaging import adopt_weight_averaging
 
 CheckpointFormat = Literal["dcp", "deepspeed"]
 
@@ -92,12 +92,12 @@ class ZeroStrategy(LightscaleStrategy):
         quantized_weights: ``"int8"``: DeepSpeed's ZeRO++ qwZ (``zero_quantized_weights``); stage 3, CUDA only.
         quantized_gradients: ``"int4"``: DeepSpeed's ZeRO++ qgZ (``zero_quantized_gradients``); stage 3, CUDA only.
         secondary_shard: ranks per hpZ group (``zero_hpz_partition_size``; ``"node"``: the processes per node).
-            The same three arguments as :class:`~lightscale.strategies.fsdp2.FSDP2Strategy`'s; on CPU they are
+            The same three arguments as :class:`~lightscale.strategies.fsdp2.strategy.FSDP2Strategy`'s; on CPU they are
             refused when the Trainer is built (DeepSpeed's quantizer is a CUDA kernel).
         config: extra DeepSpeed engine options (a dict or a JSON file path). Keys the Trainer or the strategy
             already set, unknown keys and misplaced keys are errors.
         checkpoint_format: ``"dcp"`` (default) saves the portable layout every lightscale strategy loads, on any
-            number of ranks (lightscale/zero/portable_save.py); ``"deepspeed"`` saves DeepSpeed's own engine
+            number of ranks (strategies/deepspeed/portable_save.py); ``"deepspeed"`` saves DeepSpeed's own engine
             directory (loads under ZeRO only). Either kind of directory is resumed, whatever this is set to.
         **kwargs: see :class:`~lightscale.strategies.base.LightscaleStrategy`.
 
@@ -106,7 +106,7 @@ class ZeroStrategy(LightscaleStrategy):
         ...     {"overlap_comm": True}}), accelerator="cpu", devices=2)
     """
 
-    # DeepSpeed's engines: their own meaning of every precision but float8 (lightscale/zero/precision.py).
+    # DeepSpeed's engines: their own meaning of every precision but float8 (strategies/deepspeed/precision.py).
     precision_rules = PrecisionRules(
         "zero", meanings=DEEPSPEED_MEANINGS, refused={("16-mixed", "cpu"): FP16_NEEDS_CUDA, **float8_refused(NO_FLOAT8)}
     )
@@ -125,7 +125,7 @@ class ZeroStrategy(LightscaleStrategy):
         ),
     }
     checkpoint_formats = get_args(CheckpointFormat)
-    tensor_shards = ZeroShards()  # a ZeRO-3 parameter is DeepSpeed's partition (strategies/zero_shards.py)
+    tensor_shards = ZeroShards()  # a ZeRO-3 parameter is DeepSpeed's partition (strategies/deepspeed/shards.py)
     parameter_view = "flat"  # DeepSpeed steps flat 1-D partitions (optim/rule.py): see parameter_view_for
     plannable = (
         Plannable("zero1", "2Ψ", "optimizer state sharded", needs="deepspeed"),

@@ -1,12 +1,12 @@
 """What ``BucketedDDPStrategy(fault_tolerant=...)`` adds: this launch is one replica that meets the others through
-torchft each optimizer step (lightscale/parallel/fault_tolerant_step.py) and heals from a live peer when behind.
+torchft each optimizer step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind.
 
 A healing replica receives the Lightning state a peer holds at the start of the step: parameters and buffers,
 optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its
 sampler, lightscale's, reads on from there in its own part of the data). Rank 0 of each replica logs one line per
 step and ``ft/replicas`` to the loggers. The settings are checked here, before any process starts.
 :class:`FaultTolerantHooks` are the strategy hooks both families with ``fault_tolerant=`` mix in (bucketed_ddp,
-and the FSDP2 family through its sharded replica, strategies/fault_tolerant_shards.py).
+and the FSDP2 family through its sharded replica, fault_tolerance/sharded_replica.py).
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
 from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
-from lightscale.parallel.fault_tolerance import FaultTolerance, require_torchft
-from lightscale.parallel.fault_tolerant_step import FaultTolerantStep
+from lightscale.fault_tolerance.settings import FaultTolerance, require_torchft
+from lightscale.fault_tolerance.step import FaultTolerantStep
 from lightscale.parallel.mesh import ParallelDims
-from lightscale.strategies.checkpointer import Checkpointer
 
 WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
@@ -169,9 +167,11 @@ class FaultTolerantReplica:
             "offset": list(self.offset),  # a healed replica's sampler is ahead of Lightning's saved batch count
         }
 
-    def restore_checkpoint_state(self, state: dict[str, Any] | None) -> None:
-        self.resumed_steps = None if state is None else int(state["committed_steps"])
-        epoch, batches = (0, 0) if state is None else state.get("offset", (0, 0))  # saves before stop 47 have none
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """A resumed fit's: torchft's count and the heal's jump as saved (a checkpoint without them leaves
+        ``resumed_steps=None``, ``offset=(0, 0)``)."""
+        self.resumed_steps = int(state["committed_steps"])
+        epoch, batches = state.get("offset", (0, 0))  # saves before stop 47 have none
         self.offset = (int(epoch), int(batches))
 
     def _committed_steps(self) -> int:
@@ -332,25 +332,27 @@ class FaultTolerantHooks:
             self.ft.finish()
         super().teardown()  # type: ignore[misc]
 
+    def checkpoint_states(self) -> dict[str, Any]:
+        """torchft's state (``lightscale.fault_tolerance``: the replica's name, its count of committed steps, a heal's
+        jump) handed to the checkpointer beside the family's own when the strategy runs with ``fault_tolerant=``."""
+        states = super().checkpoint_states()  # type: ignore[misc]
+        if self.ft is not None:
+            states["fault_tolerance"] = SavedReplicaState(self.ft)
+        return states
 
-class FaultTolerantCheckpointer(Checkpointer):
-    """The portable layout, with the replica's torchft state (``lightscale.fault_tolerance``: its name and count of
-    committed steps) beside the random states when the strategy runs with ``fault_tolerant=``."""
 
-    @override
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        state = super().trainer_state(checkpoint)
-        ft = replica_of(self.strategy)
-        if ft is not None:
-            state["lightscale"]["fault_tolerance"] = ft.checkpoint_state()
-        return state
+class SavedReplicaState:
+    """The replica's part of a checkpoint, as the checkpointer takes state (a ``Stateful``): its name, torchft's count
+    and a heal's jump. (The replica's own ``state_dict`` is what torchft's transport sends a healing peer.)"""
 
-    @override
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        super().restore_extras(meta, fitting=fitting)
-        ft = replica_of(self.strategy)
-        if ft is not None and fitting:
-            ft.restore_checkpoint_state(meta.get("lightscale", {}).get("fault_tolerance"))
+    def __init__(self, replica: FaultTolerantReplica) -> None:
+        self.replica = replica
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.replica.checkpoint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.replica.restore_checkpoint_state(state)
 
 
 def replica_of(strategy: object) -> FaultTolerantReplica | None:

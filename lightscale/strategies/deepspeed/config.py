@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer
 
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import DEEPSPEED_PERSISTENCE_THRESHOLD, Layout
-from lightscale.parallel.zeropp import ZeroPPOptions
+from lightscale.parallel.fsdp_wires import ZeroPPOptions
 
 # Keys the Trainer or the strategy owns, and where to set them instead.
 OWNED_KEYS = {

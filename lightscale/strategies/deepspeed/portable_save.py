@@ -1,5 +1,5 @@
 """Saving ZeRO state as the one portable checkpoint layout (lightscale/checkpoint/portable.py), and the ZeRO
-optimizer's state by parameter name that the load side (lightscale/checkpoint/load_into_zero.py) reads too.
+optimizer's state by parameter name that the load side (lightscale/strategies/deepspeed/load_portable.py) reads too.
 
 Save: each parameter's full fp32 master weight and optimizer state are gathered with DeepSpeed's public
 ``safe_get_full_*`` calls (collective: every rank takes part in every gather), but only the parameter's *owner*
@@ -12,9 +12,9 @@ partition's shape holds one value per element (Adam's moments, SGD's momentum bu
 square average) and is saved per parameter as ``state.<fqn>.<key>``, as FSDP2 saves it; a scalar (a step counter) is
 the same for every partition, since ZeRO steps them together, and is saved once per parameter too.
 
-Load (lightscale/checkpoint/load_into_zero.py): the checkpoint (saved by any strategy on any number of ranks) is read a
+Load (strategies/deepspeed/load_portable.py): the checkpoint (saved by any strategy on any number of ranks) is read a
 bounded batch of parameters at a time (whole tensors, :data:`LOAD_BATCH_NUMEL` elements per batch) and written into the
-engine's partitions (lightscale/zero/partition_writes.py: DeepSpeed's setters, this rank's padded piece under ZeRO-3);
+engine's partitions (deepspeed/partition_writes.py: DeepSpeed's setters, this rank's padded piece under ZeRO-3);
 the working copies are then refreshed from the masters, and the scalar states and hyper-parameters (lr, betas, ...) of
 each group are set. The keys come from the checkpoint: state the optimizer has not created yet (no step taken) is
 created first.
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightscale.errors import ConfigurationError
 from lightscale.patches.deepspeed import relink_optimizer_states
-from lightscale.zero.partition import fp32_partitions
+from lightscale.strategies.deepspeed.partition import fp32_partitions
 
 
 def _rank() -> int:
