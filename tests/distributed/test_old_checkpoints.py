@@ -43,12 +43,10 @@ TOLERANCE = 1e-6
 
 
 def _lighthouse() -> Any:
-    """torchft's lighthouse in its own process. Its helper lives in lightscale.testing.lighthouse at 7ca1c58 and
-    may move with the fault-tolerance files (lightscale.fault_tolerance): this is the one place that says where."""
-    try:
-        from lightscale.testing.lighthouse import lighthouse
-    except ImportError:
-        from lightscale.fault_tolerance import lighthouse  # type: ignore[no-redef]
+    """torchft's lighthouse in its own process (lightscale.testing.lighthouse at 7ca1c58, where the fixtures were
+    written; lightscale.fault_tolerance.lighthouse since the house by concept)."""
+    from lightscale.fault_tolerance.lighthouse import lighthouse
+
     return lighthouse
 
 
