@@ -26,7 +26,7 @@ from lightscale.checkpoint import portable as layout
 from lightscale.cli import main
 from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.storage import atomic_dir
-from lightscale.strategies import zero
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.strategies.deepspeed import checkpoint as deepspeed_dir
 from lightscale.testing import RankFailed, run_distributed
 
@@ -110,7 +110,7 @@ def _train(strategy: str, cache_dir: str, checkpoint: str, *, steps: int, resume
 def _strategy(name: str) -> Any:
     # zero2 here saves DeepSpeed's engine directory (its own atomic path); ZeRO's default format goes through the
     # same DCP writer as fsdp2's.
-    return zero.ZeroStrategy(stage=2, checkpoint_format="deepspeed") if name == "zero2" else name
+    return ZeroStrategy(stage=2, checkpoint_format="deepspeed") if name == "zero2" else name
 
 
 def _config(strategy: str) -> GPTConfig:

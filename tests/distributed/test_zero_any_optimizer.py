@@ -247,7 +247,7 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def test_offload_steps_other_optimizers_with_torch_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightscale.zero import engine as deepspeed_engine
+    from lightscale.strategies.deepspeed import engine as deepspeed_engine
 
     said: list[str] = []
     monkeypatch.setattr(deepspeed_engine, "rank_zero_info", said.append)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from checkpoint_matrix import torch_live_state, zero_live_state
 from helpers import relative_difference, train_tiny_gpt
 
-from lightscale.checkpoint import SafeCheckpointIO, load_into_zero
+from lightscale.checkpoint import SafeCheckpointIO
+from lightscale.strategies.deepspeed import load_portable
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG
 from lightscale.checkpoint.portable import TRAINER_STATE
 from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
@@ -98,7 +99,7 @@ CHAIN = [("zero3", 2), ("fsdp2", 4), ("zero3_offload", 2)]
 
 def test_zero_checkpoints_cross_strategies_and_world_sizes(corpus_cache: str, tmp_path: Path, monkeypatch) -> None:
     # Loads read a few parameters at a time: small batches here (the embeddings alone, then groups of small ones).
-    monkeypatch.setattr(load_into_zero, "LOAD_BATCH_NUMEL", 4096)
+    monkeypatch.setattr(load_portable, "LOAD_BATCH_NUMEL", 4096)
     first = tmp_path / "zero2.ckpt"
     reference = run_distributed(
         _link, "zero2", corpus_cache, EVERY, str(first), None, False, world_size=2, timeout_s=300

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightscale.measure.comm_counter import CollectiveCounter
-from lightscale.parallel import zeropp
+from lightscale.parallel import fsdp_wires
 from lightscale.parallel.fsdp_wires import QuantizedAllGather, QuantizedReduceScatter, ZeroPPOptions, apply_zeropp
 from lightscale.testing import run_distributed
 
@@ -194,14 +194,14 @@ def test_int8_training_within_the_quantization_bound(ranks: int, one_process: di
 
 
 def test_dropped_scales_fail_the_bound(monkeypatch: pytest.MonkeyPatch, one_process: dict[str, Any]) -> None:
-    original = zeropp.dequantize_rows
+    original = fsdp_wires.dequantize_rows
 
     def without_scales(wire: torch.Tensor, numel: int, bits: int, segments: Any = None) -> torch.Tensor:
         payload, wire = math.ceil(numel * bits / 8), wire.clone()  # every scale read as 1.0: the raw integers
         wire[:, payload:] = torch.ones(wire.shape[0], (wire.shape[1] - payload) // 4).view(torch.uint8)
         return original(wire, numel, bits, segments)
 
-    monkeypatch.setattr(zeropp, "dequantize_rows", without_scales)
+    monkeypatch.setattr(fsdp_wires, "dequantize_rows", without_scales)
     broken = _run(2, ZeroPPOptions(weights="int8", gradients="int8"))
     assert not _relative(broken["losses"], one_process["losses"]) <= LOSS_BOUND  # measured: losses ~1e11
 
