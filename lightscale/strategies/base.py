@@ -11,8 +11,10 @@ What a subclass supplies (``setup`` and the four step methods are one template h
     * ``parallel_dims()`` (default: all data parallel), ``configure_precision(plugin)`` (checked against the precision
       contract), ``apply_parallelism(module)`` (wrap/shard/hook the single-device model), ``step_context(step)``;
     * optionally ``backward`` (a pipeline schedule ran it in ``training_step``) and ``optimizer_step`` (an engine such
-      as DeepSpeed's owns step and accumulation); ``checkpointer_class`` and ``tensor_shards`` where its checkpoints or
-      its tensors differ from the portable layout's and torch's defaults (ZeRO, DiLoCo, bucketed_ddp, parallel_3d);
+      as DeepSpeed's owns step and accumulation); ``tensor_shards`` where its tensors differ from torch's defaults;
+    * for checkpoints, handed to the one ``checkpointer``: ``checkpoint_states()`` (its own state as named ``Stateful``
+      objects: bucketed_ddp's PowerSGD, fault tolerance), ``checkpoint_module()`` (what a rank holds: parallel_3d's
+      stages) and ``checkpoint_writer`` (one object where writing itself differs: ZeRO's engine, DiLoCo's workers);
     * class data: ``aliases`` (registered in Lightning's ``StrategyRegistry`` when the class is defined, also in a
       user's file), ``precision_rules``, ``plannable``, ``layout_for(world_size, **init_params)`` (no instance).
 See docs/architecture.md ("Adding a strategy") and the call path of one training step there.
@@ -51,7 +53,7 @@ from lightscale.patches.lightning import recreated_loaders_keep_their_arguments
 from lightscale.plugins.precision_contract import PrecisionRules
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.storage.safe_io import SafeCheckpointIO
-from lightscale.strategies.checkpointer import Checkpointer, refuse_former_checkpoint_methods
+from lightscale.strategies.checkpointer import PORTABLE, Checkpointer, PortableWriter
 from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view, no_layout
 from lightscale.strategies.registry import patch_lightning, register_class
 from lightscale.strategies.shards import TensorShards
@@ -86,13 +88,14 @@ class LightscaleStrategy(ProcessStrategy):
     # Whether weights copied into the model after setup are the ones trained; False where an engine builds its own
     # fp32 master copies at setup (ZeRO). InitWeights (callbacks/init_weights.py) refuses strategies without it.
     weights_settable_after_setup: ClassVar[bool] = True
-    checkpointer_class: ClassVar[type[Checkpointer]] = Checkpointer  # what ``self.checkpointer`` is
+    # The one object that writes and reads its checkpoints (strategies/checkpointer.py): the portable layout unless its
+    # family writes otherwise (ZeRO's engine, DiLoCo's workers); ``async_save`` runs in the portable one only.
+    checkpoint_writer: ClassVar[PortableWriter] = PORTABLE
     tensor_shards: ClassVar[TensorShards] = TensorShards()  # its answers about the tensors it holds (shards.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class that declares ``aliases`` in its own body registers them when defined (in a user's file too)."""
         super().__init_subclass__(**kwargs)
-        refuse_former_checkpoint_methods(cls)  # a subclass written for the former checkpoint base class
         if cls.__dict__.get("aliases"):
             register_class(cls)
 
@@ -102,6 +105,11 @@ class LightscaleStrategy(ProcessStrategy):
         name (collective: every rank calls it), and a resumed fit gives it back with ``load_state_dict`` where the
         checkpoint holds that name. The checkpointer never reads a family's fields; this is all it asks."""
         return {}
+
+    def checkpoint_module(self) -> nn.Module:
+        """The module whose state this rank's checkpoints hold, under the LightningModule's own parameter names (the
+        checkpointer asks it at each save and load); parallel_3d answers with this rank's pipeline stages."""
+        return self.lightning_module
 
     def memory_layout(self, world_size: int) -> Layout:
         """How one rank holds the model on ``world_size`` ranks (estimate/memory_layout.py); each family says."""
@@ -147,7 +155,7 @@ class LightscaleStrategy(ProcessStrategy):
             process_group_backend=process_group_backend,
             timeout_s=timeout_s,
         )
-        self.checkpointer = self.checkpointer_class(self, checkpoint_format=checkpoint_format, async_save=async_save)
+        self.checkpointer = Checkpointer(self, checkpoint_format=checkpoint_format, async_save=async_save)
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._roots: list[nn.Module] = []  # where FSDP roots: the LightningModule among them makes steps go through it

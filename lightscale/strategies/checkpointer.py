@@ -5,20 +5,21 @@ and loaded by any at any world size (DCP reshards), or as Lightning's single fil
 The strategy keeps Lightning's entry points (``save_checkpoint``, ``load_checkpoint``, ``load_model_state_dict``) and
 hands them to its :class:`Checkpointer`, built from ``checkpoint_format`` and ``async_save``. What lightscale keeps
 beside Lightning's state is here too: every rank's random state, the data shards' loader positions, the exportable
-models, the multi-node shared-directory check and the background writer of ``async_save=True``. A family whose
-engine owns its state (ZeRO), whose layout holds more (DiLoCo's workers, bucketed_ddp's PowerSGD, the
-fault-tolerance state of bucketed_ddp and the FSDP2 family) or whose ranks hold part of the model (parallel_3d's
-stages) names a subclass as its ``checkpointer_class`` and overrides the methods that differ. It is built in
-``LightscaleStrategy.__init__``, before a subclass's own attributes exist: read those from ``self.strategy`` when
-a method runs, not in ``__init__``.
+models, the multi-node shared-directory check and the background writer of ``async_save=True``.
+
+There is one Checkpointer; a family does not subclass it but hands over what differs, as its strategy answers:
+``checkpoint_states()``, its own state as named ``Stateful`` objects saved in the ``lightscale`` entry and given back
+on resume (torchft's count, PowerSGD's residuals); ``checkpoint_module()``, the module a rank's checkpoint holds
+(parallel_3d: its stages, under the whole model's names); and ``checkpoint_writer``, the one object that writes and
+reads its checkpoints where writing itself differs (ZeRO's engine partitions, DiLoCo's workers; default
+:data:`PORTABLE`, the portable layout, the only writer ``async_save`` runs in).
 
 Example:
-    >>> class StagesCheckpointer(Checkpointer):
-    ...     @contextmanager
-    ...     def module(self):
-    ...         yield self.strategy.pipelined.checkpoint_view  # what this rank trains, under the whole model's names
     >>> class MyStrategy(LightscaleStrategy):
-    ...     checkpointer_class = StagesCheckpointer
+    ...     def checkpoint_states(self) -> dict[str, Stateful]:
+    ...         return {**super().checkpoint_states(), "my_counter": self.counter}  # saved as lightscale.my_counter
+    ...     def checkpoint_module(self) -> nn.Module:
+    ...         return self.pipelined.checkpoint_view  # what this rank trains, under the whole model's names
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class Checkpointer:
             raise ConfigurationError(
                 f"async_save=True is not supported with {overriding}.save_checkpoint: it overrides the strategy's "
                 "hand-over to its Checkpointer, whose background writer would publish the checkpoint without (or over) "
-                "what the override writes. Override `save` on a Checkpointer subclass named as the "
-                "strategy's `checkpointer_class` instead, or use async_save=False."
+                "what the override writes. Hand what it writes to the Checkpointer as named Stateful objects (the "
+                "strategy's `checkpoint_states`) instead, or use async_save=False."
             )
         return AsyncCheckpointWriter(timeout=self.strategy.timeout)
 
@@ -135,24 +136,19 @@ class Checkpointer:
 
     @contextmanager
     def module(self) -> Iterator[nn.Module]:
-        """The module whose state a checkpoint holds, under the LightningModule's own parameter names."""
-        yield self.strategy.lightning_module
+        """The module whose state a checkpoint holds, under the LightningModule's own parameter names: what the
+        strategy's ``checkpoint_module()`` answers (parallel_3d: this rank's stages)."""
+        yield self.strategy.checkpoint_module()
+
+    @property
+    def layout_writer(self) -> PortableWriter:
+        """The object that writes and reads the strategy's checkpoints: its class's ``checkpoint_writer``."""
+        return type(self.strategy).checkpoint_writer
 
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
-        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
-        path = self.location(filepath)
-        self.check_dir(path.parent)  # multi-node: refuse a directory not every node shares
-        if self.format == "file":
-            self.save_single_file(checkpoint, path)
-            return
-        with self.module() as module:
-            rest = self.trainer_state(checkpoint)
-            save_file = self.strategy.checkpoint_io.save_checkpoint
-            averaged = checkpoint.get(AVERAGED)  # a WeightAveraging callback's (strategies/weight_averaging.py)
-            optimizers = self.strategy.optimizers
-            save_sharded(path, module, optimizers, rest, save_file, writer=self.writer, averaged=averaged)
+        """Write ``filepath`` as the strategy's ``checkpoint_writer`` does (by default the portable layout)."""
+        self.layout_writer.save(self, checkpoint, filepath)
 
     def save_single_file(self, checkpoint: dict[str, Any], path: Location) -> None:
         """``checkpoint_format="file"``: Lightning's own single file (its ``state_dict`` and ``optimizer_states``,
@@ -179,28 +175,14 @@ class Checkpointer:
 
     def saved_optimizers(self) -> list[dict[str, Any]] | None:
         """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries
-        hold (collective), so that Lightning's loaders can number it as torch does (checkpoint/lightning_format.py);
-        None where the layout holds no such state."""
-        with self.module() as module:
-            return describe_optimizers(module, self.strategy.optimizers)
+        hold (collective), as the strategy's ``checkpoint_writer`` records them; None where it holds no such state."""
+        return self.layout_writer.saved_optimizers(self)
 
     # ---- load ------------------------------------------------------------------------------------------------
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
-        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where the strategy's
-        ``reads_single_files``."""
-        strategy = self.strategy
-        path = self.location(checkpoint_path)
-        fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if path.is_file() and strategy.reads_single_files:  # Lightning restores weights and optimizers by position
-            torch.cuda.empty_cache()  # as Lightning's Strategy.load_checkpoint
-            checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            self.restore_extras(checkpoint, fitting=fitting)
-            return checkpoint
-        with self.module() as module:
-            read = load_sharded(path, module, strategy.optimizers if fitting else [])
-        meta = self.read_trainer_state(read, fitting=fitting)
-        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+        """Load ``checkpoint_path`` as the strategy's ``checkpoint_writer`` reads it (by default the portable layout
+        saved by any lightscale strategy at any world size, or a single file)."""
+        return self.layout_writer.load(self, checkpoint_path, weights_only)
 
     def read_trainer_state(self, checkpoint_dir: Location, *, fitting: bool) -> dict[str, Any]:
         """``trainer_state.pt`` of a layout directory (weights-only), or the rest of a single file; see
@@ -231,20 +213,75 @@ class Checkpointer:
             restore_rng_states(states)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A single file's model state, as the strategy's ``checkpoint_writer`` loads it (the layout was loaded in
+        :meth:`load`)."""
+        self.layout_writer.load_model_state_dict(self, checkpoint, strict)
+
+
+class PortableWriter:
+    """How the portable layout is written and read (every strategy's ``checkpoint_writer`` unless its family's state
+    is written otherwise, as ZeRO's engine or DiLoCo's workers): one stateless object per class; each method is given
+    the strategy's :class:`Checkpointer` (where checkpoints go, ``trainer_state.pt``, the background writer)."""
+
+    def save(self, checkpointer: Checkpointer, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Write ``filepath`` as a directory in the one layout every lightscale strategy reads: DCP shards of model
+        and optimizer (keyed by parameter name) plus the rest of Lightning's checkpoint in ``trainer_state.pt``."""
+        strategy = checkpointer.strategy
+        path = checkpointer.location(filepath)
+        checkpointer.check_dir(path.parent)  # multi-node: refuse a directory not every node shares
+        if checkpointer.format == "file":
+            checkpointer.save_single_file(checkpoint, path)
+            return
+        with checkpointer.module() as module:
+            rest = checkpointer.trainer_state(checkpoint)
+            save_file = strategy.checkpoint_io.save_checkpoint
+            averaged = checkpoint.get(AVERAGED)  # a WeightAveraging callback's (strategies/weight_averaging.py)
+            writer = checkpointer.writer
+            save_sharded(path, module, strategy.optimizers, rest, save_file, writer=writer, averaged=averaged)
+
+    def saved_optimizers(self, checkpointer: Checkpointer) -> list[dict[str, Any]] | None:
+        """Class and parameter names per group of each optimizer whose state the layout's ``optimizer.*`` entries
+        hold (collective), so that Lightning's loaders can number it as torch does (checkpoint/lightning_format.py)."""
+        with checkpointer.module() as module:
+            return describe_optimizers(module, checkpointer.strategy.optimizers)
+
+    def load(self, checkpointer: Checkpointer, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Load the layout saved by any lightscale strategy at any world size (DCP reshards); a single-file
+        Lightning checkpoint (``.ckpt`` of earlier bucketed_ddp versions, one device) where the strategy's
+        ``reads_single_files``."""
+        strategy = checkpointer.strategy
+        path = checkpointer.location(checkpoint_path)
+        fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_file() and strategy.reads_single_files:  # Lightning restores weights and optimizers by position
+            torch.cuda.empty_cache()  # as Lightning's Strategy.load_checkpoint
+            checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            checkpointer.restore_extras(checkpoint, fitting=fitting)
+            return checkpoint
+        with checkpointer.module() as module:
+            read = load_sharded(path, module, strategy.optimizers if fitting else [])
+        meta = checkpointer.read_trainer_state(read, fitting=fitting)
+        return {**meta, "optimizer_states": []}  # loaded above; Lightning's optimizer restore then does nothing
+
+    def load_model_state_dict(self, checkpointer: Checkpointer, checkpoint: Any, strict: bool) -> None:
         """A single file (the layout was loaded in :meth:`load`); a differently shaped model's is refused naming the
         keys and shapes."""
         if "state_dict" in checkpoint:
-            module = self.strategy.lightning_module
-            shape_of = self.strategy.tensor_shards.global_shape
+            strategy = checkpointer.strategy
+            module = strategy.lightning_module
+            shape_of = strategy.tensor_shards.global_shape
             check_state_dict_shapes(
                 checkpoint["state_dict"], module.state_dict(), "the checkpoint (ckpt_path)", shape_of=shape_of
             )
             module.load_state_dict(checkpoint["state_dict"], strict=strict)  # as Lightning's Strategy does
 
 
+PORTABLE = PortableWriter()  # the default ``checkpoint_writer``
+
+
 def _saves_portable_layout(cls: type[Any]) -> bool:
-    """Whether ``cls``'s checkpointer saves through :meth:`Checkpointer.save` (what ``async_save`` runs in)."""
-    return cls.checkpointer_class.save is Checkpointer.save
+    """Whether ``cls``'s ``checkpoint_writer`` saves through :meth:`PortableWriter.save` (what ``async_save`` runs
+    in)."""
+    return type(cls.checkpoint_writer).save is PortableWriter.save
 
 
 def _overrides_save_checkpoint(cls: type[Any]) -> str | None:
@@ -252,22 +289,3 @@ def _overrides_save_checkpoint(cls: type[Any]) -> str | None:
     owner = next(klass for klass in cls.__mro__ if "save_checkpoint" in klass.__dict__)
     is_base = owner.__module__ == "lightscale.strategies.base" and owner.__name__ == "LightscaleStrategy"
     return None if is_base else owner.__name__
-
-
-# What a subclass of the former checkpointing base class (strategies/checkpoint_hooks.py) overrode: the Checkpointer's.
-_FORMER_METHODS = frozenset(
-    {"checkpoint_module", "trainer_state", "saved_optimizers", "restore_extras", "read_trainer_state"}
-    | {"save_single_file", "checkpoint_location", "check_checkpoint_dir", "check_checkpoint_locations"}
-)
-
-
-def refuse_former_checkpoint_methods(cls: type) -> None:
-    """A strategy class that defines a checkpoint method the Checkpointer now owns, itself or in a class it mixes in,
-    would never be called: refused when the class is defined, naming where the method goes."""
-    former = sorted(_FORMER_METHODS & {name for klass in cls.__mro__ for name in klass.__dict__})
-    if former:
-        raise TypeError(
-            f"{cls.__name__} defines {former}: a strategy's checkpoint methods live on its Checkpointer "
-            "(lightscale/strategies/checkpointer.py); override them in a Checkpointer subclass and name it as the "
-            "class's `checkpointer_class`."
-        )

@@ -1,6 +1,7 @@
-"""A strategy owns its checkpoint IO (``strategy.checkpointer``, lightscale/strategies/checkpointer.py): a family whose
-checkpoints differ names a Checkpointer subclass, and a strategy written for the former checkpoint base class (methods
-such as ``trainer_state`` on the strategy) is refused when the class is defined, not silently never called."""
+"""A strategy owns its checkpoint IO (``strategy.checkpointer``, lightscale/strategies/checkpointer.py), one class for
+every family: a family hands its own state over as named ``Stateful`` objects (``checkpoint_states``), says what
+module a rank's checkpoint holds (``checkpoint_module``) and, where writing itself differs, names one writer object
+(``checkpoint_writer``); ``async_save`` runs in the portable writer only."""
 
 from __future__ import annotations
 
@@ -8,36 +9,63 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from lightscale.errors import ConfigurationError
 from lightscale.strategies import BucketedDDPStrategy, Checkpointer, DiLoCoStrategy, FSDP2Strategy, ZeroStrategy
+from lightscale.strategies.checkpointer import PORTABLE
+from lightscale.strategies.deepspeed.checkpoint import ZeroWriter
 
 
-class TaggedCheckpointer(Checkpointer):
-    """A user's checkpointer: one more entry beside Lightning's state."""
+class Tag:
+    """A user's state beside Lightning's: saved as ``lightscale.tag``, given back on resume."""
 
-    def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        state = super().trainer_state(checkpoint)
-        state["lightscale"]["tag"] = "mine"
-        return state
+    def __init__(self) -> None:
+        self.value = "mine"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
 
 
 class TaggedDDP(BucketedDDPStrategy):  # no aliases: not registered
-    checkpointer_class = TaggedCheckpointer
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tag = Tag()
+        self.view = nn.Linear(2, 2)
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        return {**super().checkpoint_states(), "tag": self.tag}
+
+    def checkpoint_module(self) -> nn.Module:
+        return self.view
 
 
-def test_every_strategy_owns_a_checkpointer_built_from_its_settings() -> None:
+def test_every_strategy_owns_the_one_checkpointer_built_from_its_settings() -> None:
     strategy = TaggedDDP(checkpoint_format="file")
-    assert type(strategy.checkpointer) is TaggedCheckpointer and strategy.checkpointer.strategy is strategy
+    assert type(strategy.checkpointer) is Checkpointer and strategy.checkpointer.strategy is strategy
     assert strategy.checkpointer.format == "file" and strategy.checkpointer.writer is None
+    assert strategy.checkpoint_states()["tag"] is strategy.tag and TaggedDDP.checkpoint_writer is PORTABLE
+    with strategy.checkpointer.module() as module:  # what a rank's checkpoint holds is the strategy's answer
+        assert module is strategy.view
     fsdp2 = FSDP2Strategy(async_save=True)
-    assert type(fsdp2.checkpointer).__name__ == "Checkpointer" and fsdp2.checkpointer.writer is not None
-    assert type(ZeroStrategy(stage=2).checkpointer).__name__ == "ZeroCheckpointer"
+    assert type(fsdp2.checkpointer) is Checkpointer and fsdp2.checkpointer.writer is not None
+    zero = ZeroStrategy(stage=2)
+    assert type(zero.checkpointer) is Checkpointer and isinstance(ZeroStrategy.checkpoint_writer, ZeroWriter)
 
 
-def test_async_save_is_refused_where_the_checkpointer_does_not_save_the_layout() -> None:
+def test_no_family_subclasses_the_checkpointer() -> None:
+    assert Checkpointer.__subclasses__() == []
+
+
+def test_async_save_is_refused_where_the_writer_is_not_the_portable_one() -> None:
     with pytest.raises(ConfigurationError, match=r"async_save=True is not supported by DiLoCoStrategy.*FSDP2Strategy"):
         DiLoCoStrategy(workers=2, async_save=True)
+    with pytest.raises(ConfigurationError, match=r"async_save=True is not supported by ZeroStrategy"):
+        ZeroStrategy(stage=2, async_save=True)
 
 
 class SidecarDDP(BucketedDDPStrategy):  # a user's strategy that writes a file beside Lightning's checkpoint
@@ -48,32 +76,9 @@ class SidecarDDP(BucketedDDPStrategy):  # a user's strategy that writes a file b
 
 def test_async_save_is_refused_where_the_strategy_overrides_save_checkpoint() -> None:
     # The background writer publishes the directory after the override wrote its sidecar into it: async_save cannot
-    # honour it, so it is refused before work starts, naming the override and where saving code goes.
+    # honour it, so it is refused before work starts, naming the override and where the state goes instead.
     with pytest.raises(ConfigurationError, match=r"async_save=True is not supported with SidecarDDP\.save_checkpoint.*"
-                       r"`save` on a Checkpointer subclass.*checkpointer_class.*async_save=False"):  # fmt: skip
+                       r"named Stateful objects.*`checkpoint_states`.*async_save=False"):  # fmt: skip
         SidecarDDP(async_save=True)
     assert SidecarDDP().checkpointer.writer is None  # synchronous saving is the user's own
-    assert TaggedDDP(async_save=True).checkpointer.writer is not None  # a Checkpointer subclass keeps async_save
-
-
-class Extras:
-    """A mixin written for the former base class: its hook would never be called."""
-
-    def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-        pass
-
-
-def test_a_checkpoint_method_on_the_strategy_is_refused_naming_the_checkpointer() -> None:
-    with pytest.raises(TypeError, match=r"OldStyle defines \['restore_extras', 'trainer_state'\].*checkpointer_class"):
-
-        class OldStyle(BucketedDDPStrategy):
-            def trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-                return checkpoint
-
-            def restore_extras(self, meta: dict[str, Any], *, fitting: bool) -> None:
-                pass
-
-    with pytest.raises(TypeError, match=r"Mixed defines \['restore_extras'\]"):
-
-        class Mixed(Extras, BucketedDDPStrategy):
-            pass
+    assert TaggedDDP(async_save=True).checkpointer.writer is not None  # state handed over keeps async_save

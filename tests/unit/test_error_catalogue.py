@@ -931,7 +931,7 @@ CATALOGUE: list[tuple] = [
      r"async_save=True writes the portable layout only; checkpoint_format='file'.*checkpoint_format='dcp'"),
     ("ckpt-async-save-override", "async_save with a strategy subclass that overrides save_checkpoint",
      lambda: _save_checkpoint_override()(async_save=True), CE,
-     r"async_save=True is not supported with MyDDP\.save_checkpoint: it overrides.*`save` on a Checkpointer subclass"),
+     r"async_save=True is not supported with MyDDP\.save_checkpoint: it overrides.*`checkpoint_states`"),
     ("ckpt-url-missing-package", "a checkpoint URL whose fsspec filesystem is not installed (gs:// without gcsfs)",
      lambda: _checkpoint_location("gs://bucket/run/last.ckpt"), CE,
      r"'gs://bucket/run/last\.ckpt' needs the gcsfs package for gs:// URLs, which is not installed\. Install it"),

@@ -1,10 +1,10 @@
-"""The ZeRO strategy's checkpoints (its ``checkpointer_class``): DeepSpeed's engine owns the state, so it is saved as
+"""The ZeRO strategy's checkpoints (its ``checkpoint_writer``): DeepSpeed's engine owns the state, so it is saved as
 the portable layout from the engine's fp32 masters and optimizer partitions (deepspeed/portable_save.py), or as
 DeepSpeed's own directory (``checkpoint_format="deepspeed"``, lightscale/checkpoint/deepspeed_dir.py), and loaded back
 into the engine from either (lightscale/strategies/deepspeed/load_portable.py).
 
 Example:
-    >>> ZeroStrategy(stage=3).checkpointer  # a ZeroCheckpointer: trainer.save_checkpoint(path) writes the layout
+    >>> ZeroStrategy.checkpoint_writer  # ZERO_WRITER: trainer.save_checkpoint(path) writes the layout from the engine
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, p
 from lightscale.storage.shape_check import check_shapes
 from lightscale.storage.staged_copy import local_directory, scratch_directory, upload_directory
 from lightscale.storage.urls import Location, RemotePath
-from lightscale.strategies.checkpointer import Checkpointer
+from lightscale.strategies.checkpointer import Checkpointer, PortableWriter
 from lightscale.strategies.deepspeed.load_portable import load_zero_state_dict
 from lightscale.strategies.deepspeed.partition import whole_shape
 from lightscale.strategies.deepspeed.portable_save import zero_optimizer, zero_state_dict
@@ -36,49 +36,55 @@ if TYPE_CHECKING:
     from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 
 
-class ZeroCheckpointer(Checkpointer):
+class ZeroWriter(PortableWriter):
     """Checkpoints of DeepSpeed's engine, in the portable layout or DeepSpeed's own directory, atomically."""
 
-    strategy: ZeroStrategy
-
     @override
-    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def save(self, checkpointer: Checkpointer, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Save the portable layout (``checkpoint_format="dcp"``) or DeepSpeed's engine directory, atomically."""
-        strategy = self.strategy
-        target = self.location(filepath)  # a local path or an fsspec URL
-        self.check_dir(target.parent)  # multi-node: refuse a directory not every node shares
-        if self.format == "deepspeed":
+        strategy = _zero(checkpointer)
+        target = checkpointer.location(filepath)  # a local path or an fsspec URL
+        checkpointer.check_dir(target.parent)  # multi-node: refuse a directory not every node shares
+        if checkpointer.format == "deepspeed":
             drop_average(checkpoint, "checkpoint_format='deepspeed' keeps no weight average")
             save_engine_directory(strategy.engine, target, lightning_rest(checkpoint))
             return
-        rest = self.trainer_state(checkpoint)
+        rest = checkpointer.trainer_state(checkpoint)
         state = zero_state_dict(strategy.engine, strategy.lightning_module, strategy.group_names)
         state.update(with_average(checkpoint.get(AVERAGED)))
         write_checkpoint(target, state, rest, strategy.checkpoint_io.save_checkpoint)
 
     @override
-    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+    def saved_optimizers(self, checkpointer: Checkpointer) -> list[dict[str, Any]] | None:
         """The user's optimizer (DeepSpeed's inner one) and its groups' names, recorded before DeepSpeed flattened
         them."""
-        strategy = self.strategy
+        strategy = _zero(checkpointer)
         zero = zero_optimizer(strategy.engine) if strategy.optimizers else None
         return [] if zero is None else [{"class": type(zero.optimizer).__name__, "groups": strategy.group_names}]
 
     @override
-    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, checkpointer: Checkpointer, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         """Resume from either format, told apart by its files: DeepSpeed's directory has a tag sub-directory."""
-        strategy = self.strategy
+        strategy = _zero(checkpointer)
         fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path = complete_checkpoint(self.location(checkpoint_path))
+        path = complete_checkpoint(checkpointer.location(checkpoint_path))
         if (path / CHECKPOINT_TAG).is_dir():
             return load_engine_directory(strategy.engine, path, fitting=fitting)
         module, names = strategy.lightning_module, strategy.group_names
         read = load_zero_state_dict(path, strategy.engine, module, names, optimizer=fitting)
-        return self.read_trainer_state(read, fitting=fitting)
+        return checkpointer.read_trainer_state(read, fitting=fitting)
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpointer: Checkpointer, checkpoint: Any, strict: bool) -> None:
         pass  # loaded by the engine in load
+
+
+ZERO_WRITER = ZeroWriter()  # ZeroStrategy's ``checkpoint_writer``
+
+
+def _zero(checkpointer: Checkpointer) -> ZeroStrategy:
+    """The ZeRO strategy whose checkpoints ``checkpointer`` writes (this writer is that class's only)."""
+    return checkpointer.strategy  # type: ignore[return-value]
 
 
 # ---- DeepSpeed's own directory, written and read by the engine (checkpoint/deepspeed_dir.py reads it offline) ----

@@ -51,7 +51,7 @@ from lightscale.strategies.deepspeed.build import (
     run_options,
     start_engine,
 )
-from lightscale.strategies.deepspeed.checkpoint import ZeroCheckpointer
+from lightscale.strategies.deepspeed.checkpoint import ZERO_WRITER
 from lightscale.strategies.deepspeed.config import (
     ZeroOptions,
     check_clipping,
@@ -319,9 +319,9 @@ class ZeroStrategy(LightscaleStrategy):
     def model_to_device(self) -> None:
         pass  # the engine places (or offloads) parameters itself
 
-    # ---- checkpoints: the engine's state, saved and loaded by its ZeroCheckpointer ------------------------
+    # ---- checkpoints: the engine's state, saved and loaded by its writer (deepspeed/checkpoint.py) ------------
     weights_settable_after_setup = False  # the engine builds its fp32 masters from the weights at setup
-    checkpointer_class = ZeroCheckpointer
+    checkpoint_writer = ZERO_WRITER
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""DiLoCo's checkpoints (its ``checkpointer_class``): what they read of the live run, the fp32 global model under the
+"""DiLoCo's checkpoints (its ``checkpoint_writer``): what they read of the live run, the fp32 global model under the
 module's names (the ``model.*`` entries), and whether a checkpoint resumes exactly at this layout or restarts every
-worker from the global model; what :class:`DiLoCoCheckpointer` saves and loads while the strategy trains (otherwise,
+worker from the global model; what :class:`DiLoCoWriter` saves and loads while the strategy trains (otherwise,
 as any strategy's). The layout on disk is lightscale/strategies/diloco/saved_state.py's.
 
 Example:
@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.errors import ConfigurationError
 from lightscale.parallel.diloco import OuterSync
-from lightscale.strategies.checkpointer import Checkpointer
+from lightscale.strategies.checkpointer import Checkpointer, PortableWriter
 from lightscale.strategies.diloco.saved_state import (
     diloco_state,
     like_param,
@@ -85,70 +85,80 @@ def resumes_exactly(path: Path, saved: dict[str, Any] | None, *, workers: int, s
     return same
 
 
-class DiLoCoCheckpointer(Checkpointer):
+class DiLoCoWriter(PortableWriter):
     """While training (the outer loop running): the global model, every worker's own state and the outer state; before
-    and after, the global model in the module as any strategy's checkpoint."""
-
-    strategy: DiLoCoStrategy
+    and after, the global model in the module as any strategy's checkpoint (the portable writer's)."""
 
     @override
-    def saved_optimizers(self) -> list[dict[str, Any]] | None:
+    def saved_optimizers(self, checkpointer: Checkpointer) -> list[dict[str, Any]] | None:
         """None while training: each worker's inner state is its own (``diloco.*``), no ``optimizer.*`` entries."""
-        return super().saved_optimizers() if self.strategy.outer is None else None
+        return super().saved_optimizers(checkpointer) if _diloco(checkpointer).outer is None else None
 
     @override
-    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def save(self, checkpointer: Checkpointer, checkpoint: dict[str, Any], filepath: Any) -> None:
         drop_average(checkpoint, "DiLoCo's checkpoint keeps no weight average (each worker averages its own replica)")
-        if self.strategy.outer is None:
-            return super().save(checkpoint, filepath)
-        path = self.location(filepath)  # a local path or an fsspec URL
-        self._save_training(self.strategy.outer, checkpoint, path)
+        outer = _diloco(checkpointer).outer
+        if outer is None:
+            return super().save(checkpointer, checkpoint, filepath)
+        path = checkpointer.location(filepath)  # a local path or an fsspec URL
+        _save_training(checkpointer, outer, checkpoint, path)
 
     @override
-    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, checkpointer: Checkpointer, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         """Resume: at the saved workers and shards, exactly (globals, each worker's own state, the outer state); at
         others, every worker restarts from the global model with the outer state (a fresh inner optimizer). A
         checkpoint without DiLoCo state loads its model like any layout's (evaluation, another strategy's)."""
-        path = self.location(checkpoint_path)
-        if self.strategy.outer is None:
-            return super().load(path, weights_only)
-        return self._load_training(self.strategy.outer, path)
+        path = checkpointer.location(checkpoint_path)
+        outer = _diloco(checkpointer).outer
+        if outer is None:
+            return super().load(checkpointer, path, weights_only)
+        return _load_training(checkpointer, outer, path)
 
-    def _save_training(self, outer: OuterSync, checkpoint: dict[str, Any], path: Path) -> None:
-        """A training run's checkpoint: the global model only as one file, else the portable layout with every
-        worker's own state (``diloco.*``) and the outer state beside the global model (``model.*``)."""
-        strategy = self.strategy
-        self.check_dir(path.parent)
-        if self.format == "file":  # the global model only: the workers' own state has no file form
-            model = {name: tensor.detach() for name, tensor in global_model(strategy.lightning_module, outer).items()}
-            rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
-            self.save_single_file({**rest, "state_dict": model}, path)
-            return
-        tensors, meta = diloco_state(outer, strategy.optimizers[0], worker=strategy.worker, shard=strategy.shard)
-        dims = strategy.dims
-        meta |= {"workers": dims.dp_replicate, "shards": dims.dp_shard if strategy.inner.shards_parameters else 1}
-        if strategy.ft is not None:
-            meta["ft_rounds"] = strategy.ft.manager.current_step()
-        rest = {**self.trainer_state(checkpoint), "diloco": meta}
-        model = global_model(strategy.lightning_module, outer)
-        write_checkpoint(path, {"model": model, "diloco": tensors}, rest, strategy.checkpoint_io.save_checkpoint)
 
-    def _load_training(self, outer: OuterSync, path: Path) -> dict[str, Any]:
-        """Resume a training run from ``path`` (see :meth:`load`); the trainer state it returns carries no optimizer
-        states: each worker's inner state is loaded here, or starts afresh at another layout."""
-        strategy = self.strategy
-        refuse_single_file(path)
-        meta = self.read_trainer_state(path, fitting=True)
-        saved = meta.get("diloco")
-        shards = strategy.dims.dp_shard if strategy.inner.shards_parameters else 1
-        same = resumes_exactly(path, saved, workers=strategy.dims.dp_replicate, shards=shards)
-        worker, shard = strategy.worker, strategy.shard
-        model = global_model(strategy.lightning_module, outer)
-        tensors = read_diloco_state(path, outer, model, worker=worker if same else None, shard=shard)
-        if same:
-            load_diloco_state(outer, strategy.optimizers[0], tensors, saved, worker=worker, shard=shard)
-            if strategy.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
-                strategy.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
-            return {**meta, "optimizer_states": []}
-        load_global_state(outer, tensors, saved)
-        return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model
+DILOCO_WRITER = DiLoCoWriter()  # DiLoCoStrategy's ``checkpoint_writer``
+
+
+def _diloco(checkpointer: Checkpointer) -> DiLoCoStrategy:
+    """The DiLoCo strategy whose checkpoints ``checkpointer`` writes (this writer is that class's only)."""
+    return checkpointer.strategy  # type: ignore[return-value]
+
+
+def _save_training(checkpointer: Checkpointer, outer: OuterSync, checkpoint: dict[str, Any], path: Path) -> None:
+    """A training run's checkpoint: the global model only as one file, else the portable layout with every worker's
+    own state (``diloco.*``) and the outer state beside the global model (``model.*``)."""
+    strategy = _diloco(checkpointer)
+    checkpointer.check_dir(path.parent)
+    if checkpointer.format == "file":  # the global model only: the workers' own state has no file form
+        model = {name: tensor.detach() for name, tensor in global_model(strategy.lightning_module, outer).items()}
+        rest = {key: value for key, value in checkpoint.items() if key != "optimizer_states"}
+        checkpointer.save_single_file({**rest, "state_dict": model}, path)
+        return
+    tensors, meta = diloco_state(outer, strategy.optimizers[0], worker=strategy.worker, shard=strategy.shard)
+    dims = strategy.dims
+    meta |= {"workers": dims.dp_replicate, "shards": dims.dp_shard if strategy.inner.shards_parameters else 1}
+    if strategy.ft is not None:
+        meta["ft_rounds"] = strategy.ft.manager.current_step()
+    rest = {**checkpointer.trainer_state(checkpoint), "diloco": meta}
+    model = global_model(strategy.lightning_module, outer)
+    write_checkpoint(path, {"model": model, "diloco": tensors}, rest, strategy.checkpoint_io.save_checkpoint)
+
+
+def _load_training(checkpointer: Checkpointer, outer: OuterSync, path: Path) -> dict[str, Any]:
+    """Resume a training run from ``path`` (see :meth:`DiLoCoWriter.load`); the trainer state it returns carries no
+    optimizer states: each worker's inner state is loaded here, or starts afresh at another layout."""
+    strategy = _diloco(checkpointer)
+    refuse_single_file(path)
+    meta = checkpointer.read_trainer_state(path, fitting=True)
+    saved = meta.get("diloco")
+    shards = strategy.dims.dp_shard if strategy.inner.shards_parameters else 1
+    same = resumes_exactly(path, saved, workers=strategy.dims.dp_replicate, shards=shards)
+    worker, shard = strategy.worker, strategy.shard
+    model = global_model(strategy.lightning_module, outer)
+    tensors = read_diloco_state(path, outer, model, worker=worker if same else None, shard=shard)
+    if same:
+        load_diloco_state(outer, strategy.optimizers[0], tensors, saved, worker=worker, shard=shard)
+        if strategy.ft is not None:  # rounds committed: a worker behind its peers heals at its next round
+            strategy.ft.manager.load_state_dict({"step": saved.get("ft_rounds", 0), "batches_committed": 0})
+        return {**meta, "optimizer_states": []}
+    load_global_state(outer, tensors, saved)
+    return {**meta, "optimizer_states": []}  # the inner optimizer starts afresh from the global model

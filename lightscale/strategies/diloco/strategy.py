@@ -52,7 +52,7 @@ from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS, init_arguments
 from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
-from lightscale.strategies.diloco.checkpoint import DiLoCoCheckpointer, check_file_format
+from lightscale.strategies.diloco.checkpoint import DILOCO_WRITER, check_file_format
 from lightscale.strategies.diloco.inner import InnerStrategy
 from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back, outer_sync_for
 from lightscale.strategies.diloco.workers import (
@@ -116,7 +116,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     parameter_view = "whole"  # the default inner's; inner="fsdp2" steps DTensor shards (parameter_view_for)
     reads_single_files = False
     checkpoint_formats = ("dcp", "file")  # "file": the global model (inner="bucketed_ddp": whole on every rank)
-    checkpointer_class = DiLoCoCheckpointer  # the workers' own state and the outer state beside the global model
+    checkpoint_writer = DILOCO_WRITER  # the workers' own state and the outer state beside the global model
 
     @classmethod
     @override

@@ -59,7 +59,6 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.checkpointer import Checkpointer
 from lightscale.strategies.class_answers import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
@@ -74,18 +73,6 @@ from lightscale.strategies.parallel_3d.model import (
     share_trained_stages,
 )
 from lightscale.strategies.parallel_3d.pipeline_step import PipelinedModule, SplittableBatches
-
-
-class StagesCheckpointer(Checkpointer):
-    """Checkpoints hold what this rank trains: its pipeline stages, under the whole model's names."""
-
-    strategy: Parallel3DStrategy
-
-    @contextmanager
-    @override
-    def module(self) -> Iterator[nn.Module]:
-        pipelined = self.strategy.pipelined
-        yield pipelined.checkpoint_view if pipelined is not None else self.strategy.lightning_module
 
 
 class Parallel3DStrategy(LightscaleStrategy):
@@ -174,7 +161,6 @@ class Parallel3DStrategy(LightscaleStrategy):
         return parallel_3d_layout(cls.__name__, world_size, init_arguments(cls, init_params))
 
     reads_single_files = False
-    checkpointer_class = StagesCheckpointer  # the portable layout of this rank's stages
 
     def __init__(
         self,
@@ -225,6 +211,12 @@ class Parallel3DStrategy(LightscaleStrategy):
     @property
     def pipeline(self) -> Pipeline | None:
         return self.pipelined.pipeline if self.pipelined is not None else None
+
+    @override
+    def checkpoint_module(self) -> nn.Module:
+        """Checkpoints hold what this rank trains: its pipeline stages, under the whole model's names."""
+        pipelined = self.pipelined
+        return pipelined.checkpoint_view if pipelined is not None else super().checkpoint_module()
 
     @property
     def whole_network(self) -> nn.Module | None:
