@@ -60,7 +60,7 @@ from lightscale.plugins.precision_contract import (
 )
 from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.checkpointer import Checkpointer
-from lightscale.strategies.class_answers import init_arguments
+from lightscale.strategies.class_info import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,
