@@ -27,7 +27,7 @@ from lightscale.fault_tolerance.settings import FaultTolerance, require_torchft
 from lightscale.fault_tolerance.step import FaultTolerantStep
 from lightscale.parallel.mesh import ParallelDims
 
-WHAT = "per-step fault tolerance (bucketed_ddp, hsdp)"
+FEATURE_NAME = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
 
 def fault_tolerance_of(
@@ -43,7 +43,7 @@ def fault_tolerance_of(
         raise ConfigurationError(
             f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
         )
-    require_torchft(WHAT)
+    require_torchft(FEATURE_NAME)
     ft.resolved_replica_id()
     ft.resolved_lighthouse()
     if compression == "powersgd":

@@ -54,7 +54,7 @@ from lightscale.plugins.precision_contract import PrecisionRules
 from lightscale.runtime.processes import DEFAULT_TIMEOUT_S, ProcessStrategy
 from lightscale.storage.safe_io import SafeCheckpointIO
 from lightscale.strategies.checkpointer import PORTABLE, Checkpointer, PortableWriter
-from lightscale.strategies.class_answers import check_checkpoint_format, names_by_view, no_layout
+from lightscale.strategies.class_info import check_checkpoint_format, names_by_view, no_layout_error
 from lightscale.strategies.registry import patch_lightning, register_class
 from lightscale.strategies.shards import TensorShards
 from lightscale.strategies.weight_averaging import adopt_weight_averaging, local_shards
@@ -119,7 +119,7 @@ class LightscaleStrategy(ProcessStrategy):
     def layout_for(cls, world_size: int, **init_params: Any) -> Layout:
         """How a strategy built with ``init_params`` would hold the model (estimator, planner), from the class and
         the parameters (``init_arguments``): no instance, so no patch installed nor engine needed. Each family says."""
-        raise no_layout(cls, LightscaleStrategy.layout_for.__func__)  # type: ignore[attr-defined]
+        raise no_layout_error(cls, LightscaleStrategy.layout_for.__func__)  # type: ignore[attr-defined]
 
     @classmethod
     def default_name(cls) -> str:

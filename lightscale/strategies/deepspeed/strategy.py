@@ -39,7 +39,7 @@ from lightscale.plugins.precision_contract import (
     refuse_impossible,
 )
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS
+from lightscale.strategies.class_info import SEVERAL_OPTIMIZERS
 from lightscale.strategies.deepspeed.build import (
     construction_config,
     engine_config,

@@ -50,7 +50,7 @@ from lightscale.parallel.mesh import ParallelDims, axis
 from lightscale.parallel.parallelize import apply_to_roots, built_on_meta, parallelize_model
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.class_answers import SEVERAL_OPTIMIZERS, init_arguments
+from lightscale.strategies.class_info import SEVERAL_OPTIMIZERS, init_arguments
 from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.strategies.diloco.checkpoint import DILOCO_WRITER, check_file_format
 from lightscale.strategies.diloco.inner import InnerStrategy

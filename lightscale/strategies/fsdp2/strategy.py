@@ -60,7 +60,7 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.class_answers import init_arguments
+from lightscale.strategies.class_info import init_arguments
 
 
 class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):

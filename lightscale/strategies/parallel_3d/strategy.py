@@ -59,7 +59,7 @@ from lightscale.plugins.precision_contract import (
     float8_refused,
 )
 from lightscale.strategies.base import LightscaleStrategy
-from lightscale.strategies.class_answers import init_arguments
+from lightscale.strategies.class_info import init_arguments
 from lightscale.strategies.parallel_3d.context_parallel_step import (
     ContextParallelStep,
     check_context_parallel_moe,

@@ -57,7 +57,7 @@ def check_checkpoint_format(cls: type[Any], checkpoint_format: str) -> None:
     )
 
 
-def no_layout(cls: type[Any], default: Any) -> ConfigurationError:
+def no_layout_error(cls: type[Any], default: Any) -> ConfigurationError:
     """The error of a class with no memory layout (``layout_for`` is ``default``), naming the classes that have one."""
     described = [known.__name__ for known in REGISTERED if known.layout_for.__func__ is not default]
     return ConfigurationError(f"No memory layout for {cls.__name__}; lightscale estimates {', '.join(described)}.")
