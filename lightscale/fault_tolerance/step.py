@@ -38,6 +38,7 @@ class FaultTolerantStep:
         state_dict: what a peer that heals from this replica receives (read while this rank waits in :meth:`begin`).
         load_state_dict: loads a peer's state into this replica (called inside :meth:`begin`).
         group: this replica's own ranks (``None``: one rank).
+        device: this rank's device: the backend across replicas follows it (``FaultTolerance.backend``).
         manager: drive this object (torchft ``Manager``'s methods) instead of building one: the seam a unit test
             uses to fake the lighthouse and the peers (tests/unit/test_fault_tolerant_commit.py).
     """
@@ -49,14 +50,16 @@ class FaultTolerantStep:
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
         manager: Any = None,
     ) -> None:
         self.settings = settings
         self.open = False  # a quorum was taken and its step not committed yet
         self.participants = 0
+        self.store: dist.TCPStore | None = None  # serves the manager (rank 0's): alive as long as it
         if manager is None:
-            manager = build_manager(
-                settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, owner=self
+            manager, self.store = build_manager(
+                settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, device=device
             )
         self.manager = manager
 

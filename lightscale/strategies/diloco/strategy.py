@@ -29,9 +29,9 @@ from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.fault_tolerance.diloco_worker import (
-    fault_tolerance_of,
     join_first_quorum,
     worker_data_shard,
+    worker_fault_tolerance,
 )
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
@@ -161,7 +161,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_ac_mode(activation_checkpointing)
         inner = inner_strategy(inner)
         check_file_format(self.checkpointer.format, sharded=inner.shards_parameters)
-        self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
+        self.fault_tolerance = worker_fault_tolerance(fault_tolerant, workers, fragments, overlap_steps, compression)
         self.ft: FaultTolerantOuterSync | None = None
         check_synchronous_steps(synchronous_steps, fault_tolerant=self.fault_tolerance is not None)
         check_outer_settings(mode, compression)
