@@ -108,6 +108,7 @@ class FaultTolerantOuterSync:
                 timeout_s=timeout.total_seconds(),
                 quorum_timeout_s=quorum_timeout.total_seconds(),
             )
+        self.settings = settings
         device = self.sync.local(0).device if self.sync.names else torch.device("cpu")
         # Synchronous quorum: a worker behind heals before the round's first step, so it trains the round.
         self.manager, self.store = build_manager(

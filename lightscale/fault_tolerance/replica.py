@@ -1,5 +1,6 @@
-"""What ``BucketedDDPStrategy(fault_tolerant=...)`` adds: this launch is one replica that meets the others through
-torchft each optimizer step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind.
+"""What ``fault_tolerant=...`` adds to ``BucketedDDPStrategy`` and the FSDP2 family (``hsdp``; its sharded replica is
+fault_tolerance/sharded_replica.py): this launch is one replica that meets the others through torchft each optimizer
+step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind.
 
 A healing replica receives the Lightning state a peer holds at the start of the step: parameters and buffers,
 optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its

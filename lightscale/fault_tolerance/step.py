@@ -1,9 +1,11 @@
 """Data parallelism whose replicas may fail and come back while the others keep training: a torchft quorum per step.
 
-Each replica (a launch of one or more ranks) averages its gradients over its own ranks first (the bucketed reducer);
-then rank ``r`` of every replica in this step's quorum averages the same buckets with rank ``r`` of the others
-through torchft (sum over the quorum, divided by its size), each bucket as soon as its own average is in, while
-backward goes on. ``should_commit`` gates the optimizer step: when a
+Two families run it: ``bucketed_ddp`` and the FSDP2 family (``hsdp`` across launches). Each replica (a launch of
+one or more ranks) first averages its gradients over its own ranks: ``bucketed_ddp``'s bucketed reducer, or FSDP2's
+reduce-scatter (lightscale/fault_tolerance/sharded_replica.py). Then rank ``r`` of every replica in this step's quorum
+averages the same tensors with rank ``r`` of the others through torchft (sum over the quorum, divided by its size):
+``bucketed_ddp``'s buckets each as soon as its own average is in, while backward goes on (:meth:`launch`), FSDP2's
+local gradient shards once backward ran (:meth:`average`). ``should_commit`` gates the optimizer step: when a
 replica of the step failed, no survivor applies it. A replica that (re)joins behind the others loads a live peer's
 state inside :meth:`FaultTolerantStep.begin` (torchft's synchronous quorum), so it trains that step like them.
 
