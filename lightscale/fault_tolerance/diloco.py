@@ -12,6 +12,7 @@ and the next round goes on with whoever is alive.
 
 Example (each worker process; ``TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510``):
     >>> ft = FaultTolerantOuterSync(model.named_parameters(), sync_every=4, replica_id="worker_0")
+    >>> ft = FaultTolerantOuterSync(model.named_parameters(), sync_every=4, settings=FaultTolerance(...))  # the same
     >>> while ft.rounds_committed < 10:
     ...     step = ft.before_inner_step()
     ...     loss_fn(model(next(batches))).backward(); inner.step(); inner.zero_grad()
@@ -62,14 +63,18 @@ class FaultTolerantOuterSync:
     Args:
         named_parameters: ``(name, tensor)`` pairs of this worker's model.
         sync_every: ``H``, inner steps per round.
+        settings: the worker's :class:`FaultTolerance` (name, ``min_replicas``, lighthouse, timeouts, backend), as
+            ``DiLoCoStrategy(fault_tolerant=...)`` passes it; or, without it, these few of its fields:
         replica_id: this worker's name; a restarted worker keeps it (torchft adds a fresh suffix).
         min_replicas: fewest workers a round may commit with.
         lighthouse_addr: ``http://127.0.0.1:PORT``; default: the ``TORCHFT_LIGHTHOUSE`` environment variable.
-        mode, outer_optimizer: as for :class:`OuterSync`.
         timeout: for collectives, commits and the peer-to-peer state transfer; a dead peer costs at most this.
         quorum_timeout: how long a round's start may wait for ``min_replicas`` live workers.
+        mode, outer_optimizer: as for :class:`OuterSync`.
         on_round: called with each :class:`RoundRecord`, this worker's payload and the mean (``None`` if dropped).
         group: this worker's own ranks (``None``: one rank); each rank holds a manager, rank 0's serves the group.
+
+    The backend across workers follows the parameters' device (``FaultTolerance.backend`` overrides it).
     """
 
     def __init__(
@@ -77,7 +82,8 @@ class FaultTolerantOuterSync:
         named_parameters: Iterable[tuple[str, Tensor]],
         *,
         sync_every: int,
-        replica_id: str,
+        settings: FaultTolerance | None = None,
+        replica_id: str | None = None,
         min_replicas: int = 2,
         lighthouse_addr: str | None = None,
         mode: Mode = "diloco",
@@ -94,7 +100,20 @@ class FaultTolerantOuterSync:
         self.history: list[RoundRecord] = []
         self.heals = 0  # times this worker received the state from a peer
         self._round_open = False
-        self.manager = _build_manager(self, group, replica_id, min_replicas, lighthouse_addr, timeout, quorum_timeout)
+        if settings is None:
+            settings = FaultTolerance(
+                replica_id=replica_id,
+                min_replicas=min_replicas,
+                lighthouse=lighthouse_addr,
+                timeout_s=timeout.total_seconds(),
+                quorum_timeout_s=quorum_timeout.total_seconds(),
+            )
+        self.settings = settings
+        device = self.sync.local(0).device if self.sync.names else torch.device("cpu")
+        # Synchronous quorum: a worker behind heals before the round's first step, so it trains the round.
+        self.manager, self.store = build_manager(
+            settings, state_dict=self.state_dict, load_state_dict=self.load_state_dict, group=group, device=device
+        )  # the store (rank 0's) serves the manager: kept here as long as it
 
     @property
     def step(self) -> int:
@@ -152,25 +171,3 @@ class FaultTolerantOuterSync:
         for i, name in enumerate(self.sync.names):
             self.sync.local(i).copy_(state["params"][name])
         self.heals += 1
-
-
-def _build_manager(
-    owner: FaultTolerantOuterSync,
-    group: dist.ProcessGroup | None,
-    replica_id: str,
-    min_replicas: int,
-    lighthouse_addr: str | None,
-    timeout: timedelta,
-    quorum_timeout: timedelta,
-) -> Any:
-    # Synchronous quorum: a worker behind heals before the round's first step, so it trains the round.
-    settings = FaultTolerance(
-        replica_id=replica_id,
-        min_replicas=min_replicas,
-        lighthouse=lighthouse_addr,
-        timeout_s=timeout.total_seconds(),
-        quorum_timeout_s=quorum_timeout.total_seconds(),
-    )
-    return build_manager(
-        settings, state_dict=owner.state_dict, load_state_dict=owner.load_state_dict, group=group, owner=owner
-    )

@@ -1,16 +1,14 @@
 """What ``DiLoCoStrategy(fault_tolerant=...)`` adds to the strategy: this launch is one worker that meets the others
 through torchft, reads its own part of the data and joins its first quorum before reading it.
 
-The worker's outer sync is :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync`; at the first quorum a
+The worker's outer sync is :class:`~lightscale.fault_tolerance.diloco.FaultTolerantOuterSync`; at the first quorum a
 restarted worker heals from a live peer and reads on from the peers' step; every round is logged on rank 0. The
 settings are checked here, before any process starts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,25 +17,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightscale.errors import ConfigurationError
-from lightscale.fault_tolerance.diloco import FaultTolerance, FaultTolerantOuterSync, RoundRecord
+from lightscale.fault_tolerance.diloco import FaultTolerantOuterSync, RoundRecord
+from lightscale.fault_tolerance.replica import move_sampler
 from lightscale.fault_tolerance.replica import replica_data_shard as worker_data_shard  # noqa: F401 - one rule
+from lightscale.fault_tolerance.settings import FaultTolerance, fault_tolerance_of
 from lightscale.parallel.data_parallel import broadcast_module_state, broadcast_tensors
 
 
-def fault_tolerance_of(
+def worker_fault_tolerance(
     fault_tolerant: FaultTolerance | bool, workers: int | None, fragments: int, overlap_steps: int, compression: str
 ) -> FaultTolerance | None:
-    """The settings of ``fault_tolerant=`` (``None`` when off), refused where torchft is missing or the other
-    settings cannot run fault-tolerant."""
-    if fault_tolerant is False:
+    """The settings of ``DiLoCoStrategy(fault_tolerant=)`` (``None`` when off): :func:`fault_tolerance_of`'s
+    refusals, then those of the other settings that cannot run fault-tolerant."""
+    ft = fault_tolerance_of(fault_tolerant, "fault_tolerant DiLoCo")
+    if ft is None:
         return None
-    if importlib.util.find_spec("torchft") is None:  # before any process starts
-        raise ConfigurationError("fault_tolerant DiLoCo runs on torchft, not installed: pip install 'lightscale[ft]'.")
-    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
-    if not isinstance(ft, FaultTolerance):
-        raise ConfigurationError(
-            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
-        )
     if workers not in (None, 1):
         raise ConfigurationError(
             f"workers={workers} cannot be set with fault_tolerant: each fault-tolerant worker is a launch of its own "
@@ -63,9 +57,7 @@ def fault_tolerant_outer_sync(
 ) -> FaultTolerantOuterSync:
     """The outer sync of this worker, through torchft's lighthouse; every round logged on rank 0."""
     return FaultTolerantOuterSync(
-        module.named_parameters(), sync_every=sync_every, replica_id=ft.resolved_replica_id(),
-        min_replicas=ft.min_replicas, lighthouse_addr=ft.lighthouse, mode=mode, outer_optimizer=outer_optimizer,
-        timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+        module.named_parameters(), sync_every=sync_every, settings=ft, mode=mode, outer_optimizer=outer_optimizer,
         on_round=_log_round, group=dist.group.WORLD if world_size > 1 else None,
     )  # fmt: skip
 
@@ -83,10 +75,10 @@ def join_first_quorum(
         # worker's replicas take its rank 0's (later, every up-to-date peer holds the same state).
         broadcast_module_state(model, process_group=replicas)
         broadcast_tensors([tensor for _, tensor in ft.sync.named_globals()], process_group=replicas)
-    sampler = getattr(loader, "sampler", None)
-    if ft.heals > heals and callable(getattr(sampler, "resume_from", None)):
-        sampler.resume_from(trainer.current_epoch, ft.sync.step * trainer.accumulate_grad_batches)
-    elif ft.heals > heals:
+    if ft.heals > heals and not move_sampler(
+        loader, trainer.current_epoch, ft.sync.step * trainer.accumulate_grad_batches
+    ):
+        sampler = getattr(loader, "sampler", None)
         rank_zero_warn(f"This worker healed to step {ft.sync.step} but its sampler ({type(sampler).__name__}) "
                        f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""What ``BucketedDDPStrategy(fault_tolerant=...)`` adds: this launch is one replica that meets the others through
-torchft each optimizer step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind.
+"""What ``fault_tolerant=...`` adds to ``BucketedDDPStrategy`` and the FSDP2 family (``hsdp``; its sharded replica is
+fault_tolerance/sharded_replica.py): this launch is one replica that meets the others through torchft each optimizer
+step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind.
 
 A healing replica receives the Lightning state a peer holds at the start of the step: parameters and buffers,
 optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its
@@ -23,27 +24,22 @@ from torch import Tensor
 from lightscale.data.data_shard import DataShard
 from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
-from lightscale.fault_tolerance.settings import FaultTolerance, require_torchft
+from lightscale.fault_tolerance.settings import FaultTolerance, fault_tolerance_of
 from lightscale.fault_tolerance.step import FaultTolerantStep
 from lightscale.parallel.mesh import ParallelDims
 
 FEATURE_NAME = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
 
-def fault_tolerance_of(
+def replica_fault_tolerance(
     fault_tolerant: FaultTolerance | bool | None, *, compression: str, find_unused_parameters: bool = False
 ) -> FaultTolerance | None:
-    """The settings of ``fault_tolerant=`` (``None`` when off); refused here, before any process starts, where
-    torchft is missing, the replica has no name or lighthouse, the compression keeps per-replica state, or unused
-    parameters would be skipped on one replica and stepped on another."""
-    if fault_tolerant is None or fault_tolerant is False:
+    """The settings of a per-step family's ``fault_tolerant=`` (``None`` when off): :func:`fault_tolerance_of`'s
+    refusals, then, before any process starts, where the replica has no name or lighthouse, the compression keeps
+    per-replica state, or unused parameters would be skipped on one replica and stepped on another."""
+    ft = fault_tolerance_of(fault_tolerant, FEATURE_NAME)
+    if ft is None:
         return None
-    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
-    if not isinstance(ft, FaultTolerance):
-        raise ConfigurationError(
-            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
-        )
-    require_torchft(FEATURE_NAME)
     ft.resolved_replica_id()
     ft.resolved_lighthouse()
     if compression == "powersgd":
@@ -58,6 +54,16 @@ def fault_tolerance_of(
             "use find_unused_parameters=False (every parameter in every step's graph)."
         )
     return ft
+
+
+def move_sampler(loader: object, epoch: int, batches: int) -> bool:
+    """After a heal, before the loader iterates: move its sampler (one with ``resume_from(epoch, batches)``, as
+    lightscale's) to the peers' position; False where the sampler cannot move (the caller warns, in its own terms).
+    Both modes use it: a per-step replica (a peer's batch count) and a DiLoCo worker (its step x accumulation)."""
+    resume_from = getattr(getattr(loader, "sampler", None), "resume_from", None)
+    if callable(resume_from):
+        resume_from(epoch, batches)
+    return callable(resume_from)
 
 
 def replica_data_shard(ft: FaultTolerance, shard: DataShard) -> DataShard:
@@ -143,6 +149,7 @@ class FaultTolerantReplica:
                 state_dict=self.state_dict,
                 load_state_dict=self.load_state_dict,
                 group=group,
+                device=trainer.strategy.root_device,
                 manager=self.manager,
             )
             if self.resumed_steps:  # resumed from a save: torchft's step count goes on from there
@@ -274,11 +281,7 @@ class FaultTolerantReplica:
         return getattr(self.loader, "sampler", None)
 
     def _reposition(self, epoch: int, batches: int) -> bool:
-        """Move the sampler (one with ``resume_from(epoch, batches)``, as lightscale's) before the loader iterates."""
-        resume_from = getattr(self._sampler(), "resume_from", None)
-        if callable(resume_from):
-            resume_from(epoch, batches)
-        return callable(resume_from)
+        return move_sampler(self.loader, epoch, batches)
 
     def summary(self) -> str:
         return (

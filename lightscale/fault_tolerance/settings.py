@@ -2,7 +2,8 @@
 strategy takes) and :func:`build_manager` (one torchft ``Manager`` per rank, served by the group's own store).
 
 Two features use them: fault-tolerant DiLoCo (a quorum per round, lightscale/fault_tolerance/diloco.py) and
-per-step fault tolerance of ``bucketed_ddp`` (a quorum per optimizer step, lightscale/fault_tolerance/step.py).
+per-step fault tolerance of ``bucketed_ddp`` and the FSDP2 family (``hsdp`` across launches; a quorum per optimizer
+step, lightscale/fault_tolerance/step.py). :func:`fault_tolerance_of` reads every strategy's ``fault_tolerant=``.
 
 Example:
     >>> ft = FaultTolerance(replica_id="replica_0", min_replicas=1, lighthouse="http://127.0.0.1:29510")
@@ -18,17 +19,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightscale.errors import ConfigurationError
 
 REPLICA_ID_ENV = "LIGHTSCALE_REPLICA_ID"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+BACKENDS = (None, "gloo", "nccl")  # None: by the device (gloo on CPU, nccl on CUDA)
 
 
 @dataclass(frozen=True)
 class FaultTolerance:
-    """How a replica group (one launch: a DiLoCo worker, or a ``bucketed_ddp`` replica) meets the others.
+    """How a replica group (one launch: a DiLoCo worker, a ``bucketed_ddp`` or FSDP2-family replica) meets the others.
 
     Args:
         replica_id: this replica's name, kept across its restarts; default: the ``LIGHTSCALE_REPLICA_ID`` variable.
@@ -38,6 +41,8 @@ class FaultTolerance:
         quorum_timeout_s: how long a step's (round's) start may wait for ``min_replicas`` live replicas.
         data_shards: ``None``: every replica reads its whole dataset (each brings its own data); ``n``: the
             dataset is split in ``n`` parts and replica ``k`` (the number ``replica_id`` ends with) reads part ``k``.
+        backend: the collectives across replicas: ``None`` (by the device: gloo on CPU, nccl on CUDA), ``"gloo"``
+            or ``"nccl"``.
     """
 
     replica_id: str | None = None
@@ -46,6 +51,7 @@ class FaultTolerance:
     timeout_s: float = 30.0
     quorum_timeout_s: float = 60.0
     data_shards: int | None = None
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -55,6 +61,25 @@ class FaultTolerance:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} is not valid; use a number of seconds > 0.")
         if self.data_shards is not None and (not isinstance(self.data_shards, int) or self.data_shards < 1):
             raise ConfigurationError(f"data_shards={self.data_shards!r} is not valid; use None or an integer >= 1.")
+        if self.backend not in BACKENDS:
+            raise ConfigurationError(
+                f"backend={self.backend!r} is not valid; use None (by the device: gloo on CPU, nccl on CUDA), "
+                f"'gloo' or 'nccl'."
+            )
+
+    @property
+    def timeout(self) -> timedelta:
+        """``timeout_s`` as torchft takes it (collectives, commits, the state transfer)."""
+        return timedelta(seconds=self.timeout_s)
+
+    @property
+    def quorum_timeout(self) -> timedelta:
+        """``quorum_timeout_s`` as torchft takes it."""
+        return timedelta(seconds=self.quorum_timeout_s)
+
+    def backend_for(self, device: torch.device | str) -> str:
+        """The backend of the collectives across replicas on ``device``: ``backend``, else gloo on CPU, nccl on CUDA."""
+        return choose_backend(self.backend, torch.device(device))
 
     def resolved_replica_id(self) -> str:
         replica_id = self.replica_id or os.environ.get(REPLICA_ID_ENV)
@@ -89,6 +114,27 @@ class FaultTolerance:
         return int(digits)
 
 
+def choose_backend(backend: str | None, device: torch.device) -> str:
+    """``backend`` when set, else by the device: nccl on CUDA, gloo on CPU (and anything else)."""
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"backend={backend!r} is not valid; use None, 'gloo' or 'nccl'.")
+    return backend or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def fault_tolerance_of(fault_tolerant: FaultTolerance | bool | None, feature: str) -> FaultTolerance | None:
+    """The settings of a strategy's ``fault_tolerant=`` (``None`` when off), refused before any process starts where
+    the value is not one, or torchft is missing; each feature adds its own refusals (replica.py, diloco_worker.py)."""
+    if fault_tolerant is None or fault_tolerant is False:
+        return None
+    ft = FaultTolerance() if fault_tolerant is True else fault_tolerant
+    if not isinstance(ft, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerant={fault_tolerant!r} is not valid; use True, False or FaultTolerance(replica_id=..., ...)."
+        )
+    require_torchft(feature)
+    return ft
+
+
 def require_torchft(feature: str) -> None:
     """Refuse before any process starts where the ``[ft]`` extra is missing."""
     if importlib.util.find_spec("torchft") is None:
@@ -101,33 +147,35 @@ def build_manager(
     state_dict: Callable[[], Any],
     load_state_dict: Callable[[Any], None],
     group: dist.ProcessGroup | None,
-    owner: Any,
-) -> Any:
-    """A torchft ``Manager`` for this rank: rank ``r`` of the replica averages with rank ``r`` of the others.
+    device: torch.device | str = "cpu",
+) -> tuple[Any, dist.TCPStore | None]:
+    """A torchft ``Manager`` for this rank (rank ``r`` of the replica averages with rank ``r`` of the others) and the
+    replica group's store that serves it (rank 0's; ``None`` elsewhere): the caller, which owns the manager, keeps
+    the store alive as long as the manager.
 
     The quorum is synchronous (a replica behind its peers loads their state before ``start_quorum`` returns, so it
-    trains the step like them). ``owner`` keeps the replica group's store alive (served by its rank 0).
+    trains the step like them). The collectives across replicas run on ``settings.backend_for(device)``.
     """
     from torchft.manager import Manager  # optional extra: pip install lightscale[ft]
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    timeout = timedelta(seconds=settings.timeout_s)
+    process_group = {"gloo": ProcessGroupGloo, "nccl": ProcessGroupNCCL}[settings.backend_for(device)]
     rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     host = os.environ.get("MASTER_ADDR", "localhost") if size > 1 else "localhost"
     lighthouse = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
     local = any(name in lighthouse for name in ("127.0.0.1", "localhost"))  # peers fetch a heal from this name
-    owner._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
-    port = [owner._store.port if owner._store is not None else 0]
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
     if group is not None and size > 1:
         dist.broadcast_object_list(port, group=group, group_src=0)
-    return Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
+    manager = Manager(
+        pg=process_group(timeout=settings.timeout),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=settings.min_replicas,
         use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+        timeout=settings.timeout,
+        quorum_timeout=settings.quorum_timeout,
         rank=rank,
         world_size=size,
         store_addr=host,
@@ -136,3 +184,4 @@ def build_manager(
         replica_id=settings.resolved_replica_id(),
         hostname="localhost" if local else socket.gethostname(),
     )
+    return manager, store

@@ -1,9 +1,11 @@
 """Data parallelism whose replicas may fail and come back while the others keep training: a torchft quorum per step.
 
-Each replica (a launch of one or more ranks) averages its gradients over its own ranks first (the bucketed reducer);
-then rank ``r`` of every replica in this step's quorum averages the same buckets with rank ``r`` of the others
-through torchft (sum over the quorum, divided by its size), each bucket as soon as its own average is in, while
-backward goes on. ``should_commit`` gates the optimizer step: when a
+Two families run it: ``bucketed_ddp`` and the FSDP2 family (``hsdp`` across launches). Each replica (a launch of
+one or more ranks) first averages its gradients over its own ranks: ``bucketed_ddp``'s bucketed reducer, or FSDP2's
+reduce-scatter (lightscale/fault_tolerance/sharded_replica.py). Then rank ``r`` of every replica in this step's quorum
+averages the same tensors with rank ``r`` of the others through torchft (sum over the quorum, divided by its size):
+``bucketed_ddp``'s buckets each as soon as its own average is in, while backward goes on (:meth:`launch`), FSDP2's
+local gradient shards once backward ran (:meth:`average`). ``should_commit`` gates the optimizer step: when a
 replica of the step failed, no survivor applies it. A replica that (re)joins behind the others loads a live peer's
 state inside :meth:`FaultTolerantStep.begin` (torchft's synchronous quorum), so it trains that step like them.
 
@@ -38,6 +40,7 @@ class FaultTolerantStep:
         state_dict: what a peer that heals from this replica receives (read while this rank waits in :meth:`begin`).
         load_state_dict: loads a peer's state into this replica (called inside :meth:`begin`).
         group: this replica's own ranks (``None``: one rank).
+        device: this rank's device: the backend across replicas follows it (``FaultTolerance.backend``).
         manager: drive this object (torchft ``Manager``'s methods) instead of building one: the seam a unit test
             uses to fake the lighthouse and the peers (tests/unit/test_fault_tolerant_commit.py).
     """
@@ -49,14 +52,16 @@ class FaultTolerantStep:
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
         manager: Any = None,
     ) -> None:
         self.settings = settings
         self.open = False  # a quorum was taken and its step not committed yet
         self.participants = 0
+        self.store: dist.TCPStore | None = None  # serves the manager (rank 0's): alive as long as it
         if manager is None:
-            manager = build_manager(
-                settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, owner=self
+            manager, self.store = build_manager(
+                settings, state_dict=state_dict, load_state_dict=load_state_dict, group=group, device=device
             )
         self.manager = manager
 

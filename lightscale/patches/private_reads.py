@@ -181,6 +181,48 @@ PATCHES = [
         attributes=("lightning.pytorch.utilities.model_summary.model_summary:LayerSummary", ("_module",)),
     ),
     Patch(
+        "_TrainingEpochLoop._batches_that_stepped (read and written)",
+        "instance",
+        "a fault-tolerant replica heals to a peer's step: the loggers' step counter travels with the model and the "
+        "optimizer state and is set on the healed replica's epoch loop (lightscale/fault_tolerance/replica.py)",
+        "a public loop state_dict that a peer's copy can be loaded from mid-epoch",
+        attributes=("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", ("_batches_that_stepped",)),
+    ),
+    Patch(
+        "_TrainingEpochLoop.automatic_optimization, manual_optimization",
+        "read",
+        "the heal reads and loads the optimization loops' progress (lightscale/fault_tolerance/replica.py)",
+        "the same loop state_dict",
+        attributes=(
+            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
+            ("automatic_optimization", "manual_optimization"),
+        ),
+    ),
+    Patch(
+        "_AutomaticOptimization.optim_progress",
+        "read",
+        "the heal: the optimizer steps counted (trainer.global_step) as the peer's (lightscale/fault_tolerance/)",
+        "the same loop state_dict",
+        attributes=("lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization", ("optim_progress",)),
+    ),
+    Patch(
+        "_ManualOptimization.optim_step_progress",
+        "read",
+        "the heal under manual optimization: the steps counted as the peer's (lightscale/fault_tolerance/)",
+        "the same loop state_dict",
+        attributes=("lightning.pytorch.loops.optimization.manual:_ManualOptimization", ("optim_step_progress",)),
+    ),
+    Patch(
+        "_FitLoop.epoch_progress, epoch_loop",
+        "read",
+        "the heal before the first epoch: the epoch as the peer's (lightscale/fault_tolerance/replica.py)",
+        "the same loop state_dict",
+        attributes=("lightning.pytorch.loops.fit_loop:_FitLoop", ("epoch_progress", "epoch_loop")),
+    ),
+    read("lightning.pytorch.loops.progress", "_BaseProgress.state_dict", "fault-tolerant heal: loop progress sent"),
+    read("lightning.pytorch.loops.progress", "_OptimizationProgress.load_state_dict", "fault-tolerant heal"),
+    read("lightning.pytorch.loops.progress", "_Progress.load_state_dict", "fault-tolerant heal: epoch progress"),
+    Patch(
         "Module._parameters, _buffers, _non_persistent_buffers_set, _modules (aliased)",
         "instance",
         "ZeRO's engine root shares the LightningModule's state without registering it as a child: the same "

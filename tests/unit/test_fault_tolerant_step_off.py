@@ -36,4 +36,4 @@ def test_bucketed_ddp_without_fault_tolerant_holds_no_replica() -> None:
     from lightscale.strategies import BucketedDDPStrategy
 
     strategy = BucketedDDPStrategy()
-    assert strategy.ft is None and strategy.fault_tolerance is None
+    assert strategy.ft is None

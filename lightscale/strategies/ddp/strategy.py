@@ -21,8 +21,8 @@ from lightscale.estimate.plan import Plannable
 from lightscale.fault_tolerance.replica import (
     FaultTolerantHooks,
     FaultTolerantReplica,
-    fault_tolerance_of,
     refuse_ft_inside_diloco,
+    replica_fault_tolerance,
 )
 from lightscale.fault_tolerance.settings import FaultTolerance
 from lightscale.parallel.activation_checkpoint import ACMode
@@ -98,7 +98,7 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.fault_tolerance = fault_tolerance_of(
+        ft = replica_fault_tolerance(
             fault_tolerant, compression=compression, find_unused_parameters=find_unused_parameters
         )
         validate_reducer_settings(bucket_cap_mb, first_bucket_cap_mb, compression)
@@ -110,7 +110,7 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
         self.compression = compression
         self.find_unused_parameters = find_unused_parameters
         self.reducer: BucketedGradReducer | None = None
-        self.ft = FaultTolerantReplica(self.fault_tolerance) if self.fault_tolerance is not None else None
+        self.ft = FaultTolerantReplica(ft) if ft is not None else None  # its settings: self.ft.settings
 
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
@@ -143,7 +143,7 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
     def check_inner_settings(self) -> None:
         """Every setting nests (the reducer runs over the worker's ranks) but ``fault_tolerant``, which DiLoCo
         would never run: its workers fail and heal through ``DiLoCoStrategy(fault_tolerant=...)``."""
-        refuse_ft_inside_diloco(self.fault_tolerance, "BucketedDDPStrategy")
+        refuse_ft_inside_diloco(self.ft, "BucketedDDPStrategy")
 
     def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
         enforce_contract(

@@ -1,4 +1,4 @@
-"""DiLoCo and local SGD as a strategy (strategy.py), and its fault-tolerant workers on torchft (fault_tolerant.py)."""
+"""DiLoCo and local SGD as a strategy (strategy.py); its fault-tolerant workers: lightscale/fault_tolerance/."""
 
 from lightscale.strategies.diloco.strategy import DiLoCoStrategy
 

@@ -34,9 +34,9 @@ def outer_sync_for(strategy: DiLoCoStrategy, module: nn.Module) -> tuple[OuterSy
             f"lightscale: DiLoCo outer step every {schedule.sync_every} steps: SGD lr {strategy.outer_lr}, "
             f"Nesterov momentum {strategy.outer_momentum} ({chosen}; docs/strategies/diloco.md)."
         )
-    if strategy.fault_tolerance is not None:
+    if strategy.ft_settings is not None:
         ft = fault_tolerant_outer_sync(
-            strategy.fault_tolerance, module, sync_every=schedule.sync_every, mode=strategy.mode,
+            strategy.ft_settings, module, sync_every=schedule.sync_every, mode=strategy.mode,
             outer_optimizer=outer_optimizer, world_size=strategy.world_size,
         )  # fmt: skip
         return ft.sync, ft

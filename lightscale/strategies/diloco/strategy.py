@@ -29,9 +29,9 @@ from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.fault_tolerance.diloco_worker import (
-    fault_tolerance_of,
     join_first_quorum,
     worker_data_shard,
+    worker_fault_tolerance,
 )
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
@@ -161,9 +161,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_ac_mode(activation_checkpointing)
         inner = inner_strategy(inner)
         check_file_format(self.checkpointer.format, sharded=inner.shards_parameters)
-        self.fault_tolerance = fault_tolerance_of(fault_tolerant, workers, fragments, overlap_steps, compression)
-        self.ft: FaultTolerantOuterSync | None = None
-        check_synchronous_steps(synchronous_steps, fault_tolerant=self.fault_tolerance is not None)
+        self.ft_settings = worker_fault_tolerance(fault_tolerant, workers, fragments, overlap_steps, compression)
+        self.ft: FaultTolerantOuterSync | None = None  # built at setup from ft_settings (its .settings)
+        check_synchronous_steps(synchronous_steps, fault_tolerant=self.ft_settings is not None)
         check_outer_settings(mode, compression)
         self.workers, self.inner, self.mode, self.compression = workers, inner, mode, compression
         self.synchronous_steps = synchronous_steps
@@ -199,7 +199,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def parallel_dims(self, world_size: int) -> ParallelDims:
         workers = self.workers or (self.num_nodes if self.num_nodes > 1 else world_size)
-        if self.fault_tolerance is not None:
+        if self.ft_settings is not None:
             workers = 1  # this launch is one worker; the others are launches of their own
         return worker_dims(world_size, workers)
 
@@ -207,7 +207,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     def data_shard_of(self, dims: ParallelDims) -> DataShard:
         """Fault-tolerant workers with ``data_shards`` read their own part of the dataset, split over their ranks."""
         shard = super().data_shard_of(dims)
-        return shard if self.fault_tolerance is None else worker_data_shard(self.fault_tolerance, shard)
+        return shard if self.ft_settings is None else worker_data_shard(self.ft_settings, shard)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -174,7 +174,7 @@ class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
         fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
-        ft = fault_tolerant_step.fault_tolerance_of(fault_tolerant, compression=compression)
+        ft = fault_tolerant_step.replica_fault_tolerance(fault_tolerant, compression=compression)
         super().__init__(**kwargs)
         check_replicate_under_ft(ft, dp_replicate)
         self.ft = ShardedFaultTolerantReplica(ft) if ft is not None else None
