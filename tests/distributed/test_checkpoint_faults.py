@@ -26,8 +26,8 @@ from lightscale.checkpoint import portable as layout
 from lightscale.cli import main
 from lightscale.recipes.gpt import GPT, GPTConfig
 from lightscale.storage import atomic_dir
-from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.strategies.deepspeed import checkpoint as deepspeed_dir
+from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 from lightscale.testing import RankFailed, run_distributed
 
 

@@ -17,11 +17,11 @@ from checkpoint_matrix import torch_live_state, zero_live_state
 from helpers import relative_difference, train_tiny_gpt
 
 from lightscale.checkpoint import SafeCheckpointIO
-from lightscale.strategies.deepspeed import load_portable
 from lightscale.checkpoint.deepspeed_dir import CHECKPOINT_TAG
 from lightscale.checkpoint.portable import TRAINER_STATE
 from lightscale.storage.safe_dcp import SafeFileSystemReader, load_safely
 from lightscale.strategies import ZeroStrategy
+from lightscale.strategies.deepspeed import load_portable
 from lightscale.testing import run_distributed
 
 TOLERANCE = 1e-6  # relative, per step: the same arithmetic resumed; strategies differ only in reduction order

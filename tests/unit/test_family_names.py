@@ -60,7 +60,9 @@ def _strays(root: Path, owners: dict[str, Path]) -> list[str]:
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in owners):
                 continue
             if owners[node.value] != path.resolve() and (where, node.value) not in NOT_A_FAMILY:
-                found.append(f"lightscale/{where}:{node.lineno} {node.value!r} (declared in {owners[node.value].parent.name}/{owners[node.value].name})")
+                owner = owners[node.value]
+                declared = f"{owner.parent.name}/{owner.name}"
+                found.append(f"lightscale/{where}:{node.lineno} {node.value!r} (declared in {declared})")
     return found
 
 

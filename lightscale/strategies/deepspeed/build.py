@@ -1,6 +1,6 @@
 """Starting DeepSpeed for the ZeRO strategy: its process group, the engine config from the Trainer's settings, the
 engine over the LightningModule, and ZeRO-3's partitioned construction. strategies/deepspeed/strategy.py stays the
-Lightning-facing class and imports DeepSpeed only through this module (and the rest of lightscale/zero/).
+Lightning-facing class and imports DeepSpeed only through this module (and the rest of its package).
 
 Example:
     >>> init_deepspeed_distributed("gloo")  # after Lightning created torch's process group
