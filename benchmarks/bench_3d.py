@@ -162,9 +162,11 @@ def _check_overhead(steps: int, repeats: int, cache: str) -> None:
     off = median([max(rank[1] for rank in run) for run in runs])
     cost = max(run_distributed(_check_cost, world_size=2))
     share = cost / off
-    print(f"bench_3d (3): batch agreement check, tp=2, every other step of one run: checked steps {on * 1e3:.1f} ms, "
-          f"unchecked {off * 1e3:.1f} ms, ratio {on / off:.3f}; one check alone {cost * 1e3:.2f} ms = {share:.2%} of "
-          f"a step; at the default (every {DEFAULT_EVERY} steps) {share / DEFAULT_EVERY:.4%} per step")  # fmt: skip
+    print(
+        f"bench_3d (3): batch agreement check, tp=2, every other step of one run: checked steps {on * 1e3:.1f} ms, "
+        f"unchecked {off * 1e3:.1f} ms, ratio {on / off:.3f}; one check alone {cost * 1e3:.2f} ms = {share:.2%} of "
+        f"a step; at the default (every {DEFAULT_EVERY} steps) {share / DEFAULT_EVERY:.4%} per step"
+    )
 
 
 def main() -> None:
@@ -190,8 +192,10 @@ def main() -> None:
         fn = _lightscale_tp if name == "parallel_3d" else _raw_tp
         times[name].append(run_distributed(fn, args.steps + WARMUP, cache, world_size=2, timeout_s=600)[0])
     ours, raw = median(times["parallel_3d"]), median(times["dtensor_loop"])
-    print(f"bench_3d (2): GPT {MODEL.n_layer}x{MODEL.n_embd}, tp=2, batch 8x{MODEL.block_size}: parallel_3d "
-          f"{ours * 1e3:.1f} ms/step, DTensor loop {raw * 1e3:.1f} ms/step, ratio {ours / raw:.3f}")  # fmt: skip
+    print(
+        f"bench_3d (2): GPT {MODEL.n_layer}x{MODEL.n_embd}, tp=2, batch 8x{MODEL.block_size}: parallel_3d "
+        f"{ours * 1e3:.1f} ms/step, DTensor loop {raw * 1e3:.1f} ms/step, ratio {ours / raw:.3f}"
+    )
     _check_overhead(CHECK_STEPS, args.repeats, cache)
 
 

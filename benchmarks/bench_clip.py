@@ -126,8 +126,10 @@ def main() -> None:
     parser.add_argument("--open-clip-path", default="/tmp/openclip")
     args = parser.parse_args()
     if not (Path(args.open_clip_path) / "open_clip" / "loss.py").is_file():  # make bench runs on without it
-        print(f"bench_clip: skipped, open_clip not found: pip install --no-deps --target {args.open_clip_path} "
-              "open_clip_torch")  # fmt: skip
+        print(
+            f"bench_clip: skipped, open_clip not found: pip install --no-deps --target {args.open_clip_path} "
+            "open_clip_torch"
+        )
         return
     print(f"bench_clip: small CLIP, {args.ranks} ranks x {args.batch_size} pairs, AdamW")
     results = run_distributed(

@@ -51,9 +51,16 @@ def _train_gpt(directory: str) -> None:
 
     config = GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384)
     trainer = lightscale.Trainer(
-        strategy="fsdp2", accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
+        strategy="fsdp2",
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(GPTModule(config), GPTDataModule(block_size=256, batch_size=2))
     trainer.save_checkpoint(Path(directory) / "gpt.ckpt")
 
@@ -63,9 +70,14 @@ def layer_shapes(params: float) -> dict[str, tuple[int, ...]]:
     """A GPT-like model of about ``params`` parameters: width 2048, a 32000-token embedding, blocks until full."""
     width, vocab = 2048, 32000
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, width)}
-    block = {"attention.wqkv.weight": (3 * width, width), "attention.wo.weight": (width, width),
-             "feed_forward.w1.weight": (4 * width, width), "feed_forward.w2.weight": (width, 4 * width),
-             "attention_norm.weight": (width,), "ffn_norm.weight": (width,)}  # fmt: skip
+    block = {
+        "attention.wqkv.weight": (3 * width, width),
+        "attention.wo.weight": (width, width),
+        "feed_forward.w1.weight": (4 * width, width),
+        "feed_forward.w2.weight": (width, 4 * width),
+        "attention_norm.weight": (width,),
+        "ffn_norm.weight": (width,),
+    }
     per_block = sum(torch.Size(shape).numel() for shape in block.values())
     for index in range(max(1, round((params - vocab * width) / per_block))):
         shapes |= {f"layers.{index}.{name}": shape for name, shape in block.items()}
@@ -110,8 +122,12 @@ def write_synthetic_layout(directory: Path, params: float) -> None:
         dist.destroy_process_group()
         parts.append(part)
     _merge(parts, directory)
-    rest = {"hyper_parameters": {}, "pytorch-lightning_version": "2.6.6", "global_step": 1,
-            "lightscale": {"format": 1, "strategy": "synthetic FSDP2Strategy", "world_size": 8}}  # fmt: skip
+    rest = {
+        "hyper_parameters": {},
+        "pytorch-lightning_version": "2.6.6",
+        "global_step": 1,
+        "lightscale": {"format": 1, "strategy": "synthetic FSDP2Strategy", "world_size": 8},
+    }
     save_atomically(rest, directory / TRAINER_STATE)
 
 
@@ -150,8 +166,11 @@ def sizes(directory: Path) -> dict[str, int]:
         if isinstance(m, TensorStorageMetadata)
     }
     model = {k: v for k, v in tensors.items() if k.startswith("model.")}
-    return {"weights": sum(model.values()), "largest": max(model.values()),
-            "optimizer": sum(v for k, v in tensors.items() if k.startswith("optimizer."))}  # fmt: skip
+    return {
+        "weights": sum(model.values()),
+        "largest": max(model.values()),
+        "optimizer": sum(v for k, v in tensors.items() if k.startswith("optimizer.")),
+    }
 
 
 def measure(directory: Path) -> dict[str, int]:

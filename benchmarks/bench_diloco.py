@@ -92,11 +92,20 @@ def _train(
     strategy = BucketedDDPStrategy() if settings is None else DiLoCoStrategy(workers=WORKERS, **settings)
     monitor, losses = CommMonitor(every_n_steps=1, min_bytes=9), ValLosses()
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=WORKERS, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        val_check_interval=val_every, limit_val_batches=val_batches, check_val_every_n_epoch=None,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORKERS,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=val_every,
+        limit_val_batches=val_batches,
+        check_val_every_n_epoch=None,
         callbacks=[monitor, losses],
-    )  # fmt: skip
+    )
     module = GPTModule(config, learning_rate=learning_rate, warmup_steps=warmup_steps)
     data = GPTDataModule(text_files, block_size=config.block_size, batch_size=batch, cache_dir=cache)
     trainer.fit(module, data)

@@ -38,10 +38,18 @@ def _fit(rank: int, warmup: int, steps: int, batch_size: int) -> tuple[float, in
     compression = {"compression": "powersgd", "powersgd_rank": rank, "powersgd_warmup_steps": warmup} if rank else {}
     monitor, losses = CommMonitor(every_n_steps=1, min_bytes=9), Losses()  # min_bytes: drop Lightning's scalars
     trainer = lightscale.Trainer(
-        strategy=BucketedDDPStrategy(**compression), accelerator="cpu", devices=dist.get_world_size(),
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[monitor, losses],
-    )  # fmt: skip
+        strategy=BucketedDDPStrategy(**compression),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[monitor, losses],
+    )
     module = GPTModule(TINY, learning_rate=3e-3, warmup_steps=5)
     trainer.fit(module, GPTDataModule(block_size=TINY.block_size, batch_size=batch_size))
     return sum(losses.losses[-LAST:]) / LAST, monitor.records[-1]["all_reduce"].bytes
@@ -56,12 +64,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     model = GPT(TINY)
-    print(f"bench_powersgd: tiny GPT ({model.num_params():,} params), {args.ranks} ranks, {args.steps} steps, "
-          f"batch {args.batch_size}/rank, AdamW 3e-3; loss = mean of the last {LAST} steps")  # fmt: skip
+    print(
+        f"bench_powersgd: tiny GPT ({model.num_params():,} params), {args.ranks} ranks, {args.steps} steps, "
+        f"batch {args.batch_size}/rank, AdamW 3e-3; loss = mean of the last {LAST} steps"
+    )
     results = {}
     for rank in [0, *args.ranks_pq]:
-        per_rank = run_distributed(_fit, rank, args.warmup, args.steps, args.batch_size, world_size=args.ranks,
-                                   timeout_s=3000)  # fmt: skip
+        per_rank = run_distributed(
+            _fit, rank, args.warmup, args.steps, args.batch_size, world_size=args.ranks, timeout_s=3000
+        )
         results[rank] = (sum(loss for loss, _ in per_rank) / len(per_rank), per_rank[0][1])
     loss0, bytes0 = results[0]
     print(f"  uncompressed: loss {loss0:.4f}, {bytes0:,} bytes all-reduced per step")

@@ -94,12 +94,27 @@ def _train(name: str, steps: int, bytes_per_second: float | None, cache: str, se
 def fit_from_cli(strategy: str, steps: int, out: Path) -> tuple[list[float], float]:
     """The user's command with ``strategy``; rank 0's logged train loss of every step and the final val loss."""
     command = [
-        LIGHTSCALE, "fit", "--config", "gpt/tiny_ddp.yaml",
-        "--trainer.strategy", strategy, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
-        "--trainer.check_val_every_n_epoch", "null", "--trainer.log_every_n_steps", "1",
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
-        "--trainer.enable_progress_bar", "false",
-    ]  # fmt: skip
+        LIGHTSCALE,
+        "fit",
+        "--config",
+        "gpt/tiny_ddp.yaml",
+        "--trainer.strategy",
+        strategy,
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.val_check_interval",
+        str(steps),
+        "--trainer.check_val_every_n_epoch",
+        "null",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir",
+        str(out),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} ended with {done.returncode}:\n{done.stderr[-3000:]}")
@@ -144,16 +159,20 @@ def link(steps: int, mbytes_per_second: float, repeats: int, cache: str) -> None
         a, b = found[rate]["fsdp2"], found[rate][names[1]]
         cpu_a, cpu_b = a["cpu_s"] + a["wait_s"], b["cpu_s"] + b["wait_s"]
         label = f"link {mbytes_per_second:g} MB/s" if rate else "unthrottled"
-        print(f"{label}: wall step fsdp2 {a['step_s'] * 1e3:.1f} ms, ZeRO++ {b['step_s'] * 1e3:.1f} ms, ratio "
-              f"{a['step_s'] / b['step_s']:.2f}; CPU + link wait {cpu_a * 1e3:.1f} ms vs {cpu_b * 1e3:.1f} ms, "
-              f"ratio {cpu_a / cpu_b:.2f} "
-              f"(wait {a['wait_s'] * 1e3:.1f} vs {b['wait_s'] * 1e3:.1f} ms, "
-              f"bytes/step {a['bytes']:,.0f} vs {b['bytes']:,.0f})")  # fmt: skip
+        print(
+            f"{label}: wall step fsdp2 {a['step_s'] * 1e3:.1f} ms, ZeRO++ {b['step_s'] * 1e3:.1f} ms, ratio "
+            f"{a['step_s'] / b['step_s']:.2f}; CPU + link wait {cpu_a * 1e3:.1f} ms vs {cpu_b * 1e3:.1f} ms, "
+            f"ratio {cpu_a / cpu_b:.2f} "
+            f"(wait {a['wait_s'] * 1e3:.1f} vs {b['wait_s'] * 1e3:.1f} ms, "
+            f"bytes/step {a['bytes']:,.0f} vs {b['bytes']:,.0f})"
+        )
     # SlowLink's dispatch mode costs CPU per op (ZeRO++ runs more, smaller ops): compute measured without it + the wait.
     slow, fast = found[mbytes_per_second * 1e6], found[None]
     composed = {name: fast[name]["cpu_s"] + slow[name]["wait_s"] for name in names}
-    print(f"unthrottled CPU + the link's wait: {composed['fsdp2'] * 1e3:.1f} ms vs {composed[names[1]] * 1e3:.1f} ms, "
-          f"fsdp2 / ZeRO++ = {composed['fsdp2'] / composed[names[1]]:.2f}")  # fmt: skip
+    print(
+        f"unthrottled CPU + the link's wait: {composed['fsdp2'] * 1e3:.1f} ms vs {composed[names[1]] * 1e3:.1f} ms, "
+        f"fsdp2 / ZeRO++ = {composed['fsdp2'] / composed[names[1]]:.2f}"
+    )
 
 
 def main() -> None:

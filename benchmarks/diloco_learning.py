@@ -48,15 +48,21 @@ def runs(sync_every: int, synchronous: int) -> dict[str, dict[str, Any] | None]:
         f"DiLoCo H={h} (defaults)": {"sync_every": h},
         f"streaming DiLoCo H={h} (3 fragments, overlap 1)": {"sync_every": h, "fragments": 3, "overlap_steps": 1},
         f"DiLoCo H={h}, the paper's outer step (lr 0.7, momentum 0.9)": {
-            "sync_every": h, "outer_lr": PAPER_OUTER_STEP[0], "outer_momentum": PAPER_OUTER_STEP[1],
+            "sync_every": h,
+            "outer_lr": PAPER_OUTER_STEP[0],
+            "outer_momentum": PAPER_OUTER_STEP[1],
         },
         f"DiLoCo H={h} (defaults), the first {synchronous} steps synchronous": {
-            "sync_every": h, "synchronous_steps": synchronous,
+            "sync_every": h,
+            "synchronous_steps": synchronous,
         },
         f"streaming DiLoCo H={h} (3 fragments, overlap 1), the first {synchronous} steps synchronous": {
-            "sync_every": h, "fragments": 3, "overlap_steps": 1, "synchronous_steps": synchronous,
+            "sync_every": h,
+            "fragments": 3,
+            "overlap_steps": 1,
+            "synchronous_steps": synchronous,
         },
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -86,9 +92,15 @@ def main() -> None:
             continue
         start = time.perf_counter()
         results[name] = run_distributed(
-            _train, strategy, args.steps, args.val_every, args.cache, world_size=WORKERS, timeout_s=6 * 3600,
+            _train,
+            strategy,
+            args.steps,
+            args.val_every,
+            args.cache,
+            world_size=WORKERS,
+            timeout_s=6 * 3600,
             **settings,
-        )[0]  # fmt: skip
+        )[0]
         print(f"{name}: {results[name]['curve'][-1][1]:.4f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         out.write_text(json.dumps(results))  # a partial run survives (--resume goes on from it)
     ddp = results["DDP"]

@@ -252,16 +252,24 @@ CHECKS = [  # most valuable first (/work/shared/GPU.md): a later check gets what
     Check("environment", "package versions; requirements the machine does not meet", 20, check_environment),
     Check("deepspeed_ops", "JIT-build DeepSpeed's CPU Adam once, before any offload run", 90, check_deepspeed_ops),
     Check("strategies", "each name at world size 1: small GPT, 20 steps, bf16, loss falls", 110, check_strategies),
-    Check("memory_profiler", "MemoryProfiler on CUDA (peak, snapshot, OOM report); pytest tests/gpu", 70,
-          check_memory_profiler),
+    Check(
+        "memory_profiler",
+        "MemoryProfiler on CUDA (peak, snapshot, OOM report); pytest tests/gpu",
+        70,
+        check_memory_profiler,
+    ),
     Check("mfu", "GPT-2 124M tokens/s and MFU: fsdp2 + per-block compile, bucketed_ddp", 110, check_mfu),
-    Check("grouped_gemm", "MoE experts' FFN at 64 experts: grouped GEMM ÷ the per-expert loop, bf16", 30,
-          check_grouped_gemm),
+    Check(
+        "grouped_gemm",
+        "MoE experts' FFN at 64 experts: grouped GEMM ÷ the per-expert loop, bf16",
+        30,
+        check_grouped_gemm,
+    ),
     Check("cp_kernels", "a CP block fwd+bwd by each fused CUDA op ÷ SDPA over the block", 30, check_cp_kernels),
     Check("float8", "GPT-2 124M tokens/s, float8 ÷ bf16-mixed, fsdp2 + per-block compile", 100, check_float8),
     Check("offload", "largest GPT under zero3_offload / under zero3 (time-bounded search)", 80, check_offload),
     Check("estimate", "lightscale.estimate vs torch.cuda.max_memory_allocated, 5 configurations", 60, check_estimate),
-]  # fmt: skip
+]
 
 
 def plan() -> str:

@@ -44,8 +44,9 @@ def isolated(target: str, *args: Any, timeout: float) -> dict[str, Any]:
 def run_killable(command: list[str], *, timeout: float, cwd: Path | None = None) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of ``command``; on time-out its whole session is killed (compile workers, the
     offload search's probes, pytest's CLI runs: nothing is left holding the GPU) and TimeoutExpired raised."""
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd,
-                             start_new_session=True)  # fmt: skip
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd, start_new_session=True
+    )
     try:
         stdout, stderr = child.communicate(timeout=max(timeout, 1.0))
     except subprocess.TimeoutExpired:

@@ -26,17 +26,42 @@ from pathlib import Path
 # packaging, tqdm, safetensors, scikit-learn and pillow are on the GPU machine and deliberately not shipped.
 DOWNLOADED = (
     # jsonargparse[signatures] (LightningCLI, `lightscale fit`)
-    "jsonargparse", "docstring-parser", "typeshed-client", "typing-extensions",
+    "jsonargparse",
+    "docstring-parser",
+    "typeshed-client",
+    "typing-extensions",
     # DeepSpeed's requirements (numpy, packaging, torch and tqdm are there; psutil may be, shipped anyway)
-    "hjson", "py-cpuinfo", "msgpack", "ninja", "einops", "psutil",
-    "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+    "hjson",
+    "py-cpuinfo",
+    "msgpack",
+    "ninja",
+    "einops",
+    "psutil",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
     # tensorboard (lightscale's TensorBoardLogger default), without its server (grpcio, data server, werkzeug)
-    "tensorboard", "protobuf", "absl-py", "markdown",
+    "tensorboard",
+    "protobuf",
+    "absl-py",
+    "markdown",
     # matplotlib (MemoryProfiler's memory.png)
-    "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "python-dateutil", "tzdata",
+    "matplotlib",
+    "contourpy",
+    "cycler",
+    "fonttools",
+    "kiwisolver",
+    "pyparsing",
+    "python-dateutil",
+    "tzdata",
     # pytest for tests/gpu
-    "pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout",
-)  # fmt: skip
+    "pytest",
+    "pluggy",
+    "iniconfig",
+    "pygments",
+    "pytest-timeout",
+)
 # Extras whose requirements count when deciding what a shipped wheel needs.
 EXTRAS = ("", "signatures", "deepspeed", "typing-extensions")
 

@@ -30,8 +30,21 @@ ESTIMATE_CONFIGS = [
 # The offload search: a wide GPT whose depth doubles; 2048 wide, 512 tokens: ~50M parameters a layer.
 WIDE = {"vocab_size": 50304, "block_size": 512, "n_head": 16, "n_embd": 2048}
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
-PACKAGES = ("torch", "lightning", "deepspeed", "jsonargparse", "lightscale", "numpy", "pydantic", "tensorboard",
-            "matplotlib", "pytest", "transformers", "timm", "scikit-learn")  # fmt: skip
+PACKAGES = (
+    "torch",
+    "lightning",
+    "deepspeed",
+    "jsonargparse",
+    "lightscale",
+    "numpy",
+    "pydantic",
+    "tensorboard",
+    "matplotlib",
+    "pytest",
+    "transformers",
+    "timm",
+    "scikit-learn",
+)
 
 
 def accelerator() -> str:
@@ -280,16 +293,26 @@ def offload_ratio(seconds: float) -> dict[str, Any]:
             found = isolated("gpu_workers:fits", strategy, n, timeout=stop - time.monotonic())
             tried[n] = bool(found.get("fits"))
             why = "" if tried[n] else (found.get("why") or found.get("error") or "?").splitlines()[0][:120]
-            rows.append({"strategy": strategy, "n_layer": n, "params": _params(GPT, GPTConfig, n), "fits": tried[n],
-                         "note": why or f"{found.get('seconds', 0):.0f} s"})  # fmt: skip
+            rows.append(
+                {
+                    "strategy": strategy,
+                    "n_layer": n,
+                    "params": _params(GPT, GPTConfig, n),
+                    "fits": tried[n],
+                    "note": why or f"{found.get('seconds', 0):.0f} s",
+                }
+            )
             n = n * 2 if tried[n] else n // 2
         passed = [k for k, v in tried.items() if v]
         largest[strategy] = max(passed) if passed else 0
         if passed and not any(k > max(passed) and not v for k, v in tried.items()):
             notes.append(f"{strategy}: time ran out before a depth failed; {max(passed)} layers is a lower bound")
     ratio = largest["zero3_offload"] / largest["zero3"] if largest.get("zero3") else None
-    notes.insert(0, f"WIDE GPT (2048 wide, 16 heads, 512 tokens, micro-batch 1, bf16-mixed): ratio of parameters "
-                    f"= {ratio if ratio is None else round(ratio, 2)}")  # fmt: skip
+    notes.insert(
+        0,
+        f"WIDE GPT (2048 wide, 16 heads, 512 tokens, micro-batch 1, bf16-mixed): ratio of parameters "
+        f"= {ratio if ratio is None else round(ratio, 2)}",
+    )
     return {"rows": rows, "notes": notes, "ratio": ratio}
 
 

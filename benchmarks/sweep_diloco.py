@@ -48,8 +48,9 @@ def grid(quick: bool, steps: int) -> dict[str, dict[str, Any] | None]:
     for h, share in itertools.product(hs, () if quick else SYNCHRONOUS_SHARES):
         synchronous = synchronous_steps_for(share, steps, h)
         runs[f"DiLoCo H={h} default, {synchronous} synchronous steps"] = {
-            "sync_every": h, "synchronous_steps": synchronous,
-        }  # fmt: skip
+            "sync_every": h,
+            "synchronous_steps": synchronous,
+        }
     return runs
 
 

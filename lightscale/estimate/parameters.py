@@ -95,10 +95,13 @@ def _rank_modules(module: nn.Module, network: nn.Module, layout: Layout) -> list
         return [[""]]
     stages = module.pipeline_stages(layout.num_stages)  # type: ignore[attr-defined]
     return [
-        [name for stage in stage_ids(rank, layout.pp, layout.stages_per_rank, v_shape=layout.v_shape)
-         for name in stages[stage]]
+        [
+            name
+            for stage in stage_ids(rank, layout.pp, layout.stages_per_rank, v_shape=layout.v_shape)
+            for name in stages[stage]
+        ]
         for rank in range(layout.pp)
-    ]  # fmt: skip
+    ]
 
 
 def _parameters_of(network: nn.Module, names: list[str]) -> Iterator[tuple[str, nn.Parameter]]:

@@ -290,8 +290,9 @@ def shard_segments(module: FSDPModule, shards: int) -> Segments:
     """Each parameter's padded shard length in the order FSDP lays out ``module``'s flat buffers: its own parameters
     (those of nested units and 0-dimensional ones, which FSDP ignores, excluded), dim 0 padded to a multiple of
     ``shards`` (``fully_shard``'s layout)."""
-    nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
-              for p in sub.parameters()}  # fmt: skip
+    nested = {
+        id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule) for p in sub.parameters()
+    }
     seen: set[int] = set()
     lengths = []
     for param in module.parameters():

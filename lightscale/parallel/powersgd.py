@@ -88,10 +88,17 @@ class PowerSGD:
         self.buckets = buckets
         self.plans = [_plan(bucket, rank) for bucket in buckets]
         generator = torch.Generator().manual_seed(_SEED)
-        self.qs = [[_orthonormal(torch.randn(m, r, generator=generator, dtype=b.flat.dtype).to(b.flat.device))
-                    for _, m, r in plan.shapes] for b, plan in zip(buckets, self.plans, strict=True)]  # fmt: skip
-        self.residuals = [[torch.zeros(n, m, dtype=b.flat.dtype, device=b.flat.device) for n, m, _ in plan.shapes]
-                          for b, plan in zip(buckets, self.plans, strict=True)]  # fmt: skip
+        self.qs = [
+            [
+                _orthonormal(torch.randn(m, r, generator=generator, dtype=b.flat.dtype).to(b.flat.device))
+                for _, m, r in plan.shapes
+            ]
+            for b, plan in zip(buckets, self.plans, strict=True)
+        ]
+        self.residuals = [
+            [torch.zeros(n, m, dtype=b.flat.dtype, device=b.flat.device) for n, m, _ in plan.shapes]
+            for b, plan in zip(buckets, self.plans, strict=True)
+        ]
 
     @property
     def compressing(self) -> bool:
@@ -126,8 +133,10 @@ class PowerSGD:
         parts = plan.first.split(sizes)
         for i, part in zip(plan.vectors, parts, strict=False):
             bucket.slot(i).copy_(part.view_as(bucket.slot(i)))  # vectors: already the average
-        ps = [_orthonormal(part.view(n, r)) for part, (n, _, r) in zip(parts[len(plan.vectors) :], plan.shapes,
-                                                                           strict=True)]  # fmt: skip
+        ps = [
+            _orthonormal(part.view(n, r))
+            for part, (n, _, r) in zip(parts[len(plan.vectors) :], plan.shapes, strict=True)
+        ]
         if not plan.matrices:
             plan.handle = None
             return ps
@@ -205,8 +214,13 @@ def _plan(bucket: GradBucket, rank: int) -> _Plan:
     first = sum(bucket.params[i].numel() for i in vectors) + sum(n * r for n, _, r in shapes)
     second = sum(m * r for _, m, r in shapes)
     device = bucket.flat.device
-    return _Plan(vectors, matrices, shapes, torch.zeros(first, dtype=dtype, device=device),
-                 torch.zeros(second, dtype=dtype, device=device))  # fmt: skip
+    return _Plan(
+        vectors,
+        matrices,
+        shapes,
+        torch.zeros(first, dtype=dtype, device=device),
+        torch.zeros(second, dtype=dtype, device=device),
+    )
 
 
 def _orthonormal(matrix: Tensor) -> Tensor:

@@ -213,8 +213,11 @@ def _row(node: str, cases: dict[str, list[str]]) -> str:
 def table(results: list[tuple[Combination, dict[str, str], dict[str, str], float]]) -> str:
     head = ["", *(f"{combo.name}: torch {v['torch']}, lightning {v['lightning']}" for combo, v, _, _ in results)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines.append("| deepspeed / torchao / python | " + " | ".join(
-        f"{v['deepspeed']} / {v['torchao']} / {v['python']}" for _, v, _, _ in results) + " |")  # fmt: skip
+    lines.append(
+        "| deepspeed / torchao / python | "
+        + " | ".join(f"{v['deepspeed']} / {v['torchao']} / {v['python']}" for _, v, _, _ in results)
+        + " |"
+    )
     lines.append("| pyproject's bounds admit it | " + " | ".join(v["admitted"] for _, v, _, _ in results) + " |")
     for label, _ in SMOKE:
         lines.append(f"| {label} | " + " | ".join(rows[label] for _, _, rows, _ in results) + " |")

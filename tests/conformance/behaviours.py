@@ -23,12 +23,31 @@ from torch.utils.data import DataLoader, TensorDataset
 from zoo import GLOBAL_BATCH, LR, MOMENTUM
 
 HOOKS = (
-    "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_before_backward",
-    "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-    "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
-    "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end", "on_save_checkpoint", "on_train_end",
-    "on_fit_end", "on_test_start", "on_test_end", "on_predict_start", "on_predict_end", "on_load_checkpoint",
-)  # fmt: skip
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_save_checkpoint",
+    "on_train_end",
+    "on_fit_end",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_load_checkpoint",
+)
 MAX_STEPS = 6  # EarlyStopping stops before (at the 2nd validation)
 
 
@@ -131,9 +150,15 @@ def run(strategy: Any, root: Path, *, plain: bool = False) -> dict[str, Any]:
     saver = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=2, save_last=True)
     stopper = EarlyStopping(monitor="val_loss", mode="max", patience=1)  # the loss falls: stops at the 2nd check
     kwargs = dict(
-        accelerator="cpu", devices=1 if plain else dist.get_world_size(), max_steps=MAX_STEPS, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1 if plain else dist.get_world_size(),
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     trainer_class = pl.Trainer if plain else lightscale.Trainer
     trainer = trainer_class(strategy=strategy, callbacks=[recorder, saver, stopper], **kwargs)
     shards = (0, 1) if plain else tuple(lightscale.data_shard())

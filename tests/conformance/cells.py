@@ -64,9 +64,13 @@ def _fit(strategy: Any, model: str, saves: dict[int, Path], ckpt_path: Path | No
     watch, losses = _SaveAndWatch(saves), StepLosses()
     try:
         trainer = quiet_trainer(
-            strategy, devices=dist.get_world_size(), max_steps=STEPS, callbacks=[losses, watch],
-            use_distributed_sampler=False, default_root_dir=next(iter(saves.values())).parent,  # zero_infinity's swap
-        )  # fmt: skip
+            strategy,
+            devices=dist.get_world_size(),
+            max_steps=STEPS,
+            callbacks=[losses, watch],
+            use_distributed_sampler=False,
+            default_root_dir=next(iter(saves.values())).parent,  # zero_infinity's swap
+        )
         shards = tuple(lightscale.data_shard())  # known once the Trainer exists: dp x ep shards
         trainer.fit(build(model, seed), _loader(model, shards), ckpt_path=ckpt_path)
     except Exception as error:
@@ -101,9 +105,17 @@ def one_process(models: list[str], root: str) -> dict[str, dict[str, Any]]:
         pl.seed_everything(0, verbose=False)
         losses = StepLosses()
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[losses], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        )  # fmt: skip
+            accelerator="cpu",
+            devices=1,
+            max_steps=STEPS,
+            callbacks=[losses],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
         module = build(model)
         trainer.fit(module, _loader(model, (0, 1)))
         state = {key: value.detach().clone() for key, value in module.state_dict().items()}

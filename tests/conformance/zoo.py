@@ -162,9 +162,15 @@ class HFGPT2(HFCausalLM):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            vocab_size=VOCAB,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
             attn_pdrop=0.0,
-        )  # fmt: skip
+        )
         return GPT2LMHeadModel(config)
 
 
@@ -175,9 +181,14 @@ class HFLlama(HFCausalLM):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=16,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
         return LlamaForCausalLM(config)
 
 

@@ -56,8 +56,15 @@ def test_bf16_wire_halves_the_bytes() -> None:
 
 def _all_reduced_per_step(cache_dir: str) -> tuple[list[int], int]:
     monitor = CommMonitor(every_n_steps=1, min_bytes=9)  # Lightning's own reductions are scalars
-    train_tiny_gpt("bucketed_ddp", devices=2, batch_size=2, accumulate=2, max_steps=4, cache_dir=cache_dir,
-                   extra_callbacks=[monitor])  # fmt: skip
+    train_tiny_gpt(
+        "bucketed_ddp",
+        devices=2,
+        batch_size=2,
+        accumulate=2,
+        max_steps=4,
+        cache_dir=cache_dir,
+        extra_callbacks=[monitor],
+    )
     return [step["all_reduce"].bytes for step in monitor.records], _gradient_bytes(GPT(TINY))
 
 

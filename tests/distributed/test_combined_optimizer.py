@@ -145,9 +145,14 @@ def _error(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 
 @pytest.mark.parametrize(
     ("run", "tolerance"),
-    [("bucketed_ddp", DDP_TOLERANCE), ("bucketed_ddp_resumed", DDP_TOLERANCE), ("fsdp2", FSDP2_TOLERANCE),
-     ("fsdp2_resumed", FSDP2_TOLERANCE), ("fsdp2_to_ddp", FSDP2_TOLERANCE)],
-)  # fmt: skip
+    [
+        ("bucketed_ddp", DDP_TOLERANCE),
+        ("bucketed_ddp_resumed", DDP_TOLERANCE),
+        ("fsdp2", FSDP2_TOLERANCE),
+        ("fsdp2_resumed", FSDP2_TOLERANCE),
+        ("fsdp2_to_ddp", FSDP2_TOLERANCE),
+    ],
+)
 def test_parameters_equal_one_process(ranks: list[dict[str, Any]], run: str, tolerance: float) -> None:
     expected = reference(STEPS)
     for result in ranks:
@@ -171,8 +176,10 @@ def test_resume_is_bitwise(ranks: list[dict[str, Any]], name: str) -> None:
                 assert torch.equal(value, resumed["state"][param][key]), (param, key)
 
 
-@pytest.mark.parametrize(("saver", "loader"), [("bucketed_ddp", "bucketed_ddp_resumed"), ("fsdp2", "fsdp2_resumed"),
-                                               ("fsdp2", "fsdp2_to_ddp")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("saver", "loader"),
+    [("bucketed_ddp", "bucketed_ddp_resumed"), ("fsdp2", "fsdp2_resumed"), ("fsdp2", "fsdp2_to_ddp")],
+)
 def test_loaded_state_is_the_saved_state_bitwise(ranks: list[dict[str, Any]], saver: str, loader: str) -> None:
     """Both parts' states (Muon's momentum, AdamW's moments and step) as saved at SAVE_AT, loaded into the parts."""
     for result in ranks:

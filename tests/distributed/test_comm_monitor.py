@@ -64,8 +64,9 @@ def _tp_step(layers: int, sequence_parallel: bool, cache_dir: str) -> dict[str, 
     monitor = CommMonitor(every_n_steps=1)
     strategy = Parallel3DStrategy(tp=2, sequence_parallel=sequence_parallel)
     config = dataclasses.replace(TINY, n_layer=layers)
-    train_tiny_gpt(strategy, devices=2, batch_size=2, max_steps=2, config=config, cache_dir=cache_dir,
-                   extra_callbacks=[monitor])  # fmt: skip
+    train_tiny_gpt(
+        strategy, devices=2, batch_size=2, max_steps=2, config=config, cache_dir=cache_dir, extra_callbacks=[monitor]
+    )
     return {kind: (t.calls, t.elements) for kind, t in monitor.records[-1].items()}
 
 

@@ -312,8 +312,15 @@ def test_a_datamodules_block_size_is_checked_before_training(corpus_cache: str) 
 # ---- memory: what each rank saves for backward -------------------------------------------------------------------
 def _saved_activations(strategy: Any, cache_dir: str, out_dir: str) -> tuple[float, float]:
     profiler = MemoryProfiler(every_n_steps=1, out_dir=out_dir, plot=False)
-    train_tiny_gpt(strategy, devices=dist.get_world_size(), batch_size=2, max_steps=2, config=TINY,
-                   cache_dir=cache_dir, extra_callbacks=[profiler])  # fmt: skip
+    train_tiny_gpt(
+        strategy,
+        devices=dist.get_world_size(),
+        batch_size=2,
+        max_steps=2,
+        config=TINY,
+        cache_dir=cache_dir,
+        extra_callbacks=[profiler],
+    )
     assert profiler.estimate is not None
     return profiler.records[-1]["activations"], profiler.estimate.activations.total
 

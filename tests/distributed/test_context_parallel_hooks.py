@@ -35,9 +35,15 @@ class HFLanguageModel(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
             attn_pdrop=0.0,
-        )  # fmt: skip
+        )
         self.model = transformers.GPT2LMHeadModel(config)
         self.hooked: dict[str, int] = {}  # by the Trainer's function: fit (its validation too) or validate
 

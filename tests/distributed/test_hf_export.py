@@ -154,9 +154,17 @@ def test_gpt_recipe_exports_safetensors_and_its_config(tmp_path: Path, corpus_ca
 
     checkpoint = tmp_path / "last.ckpt"
     run_distributed(
-        train_tiny_gpt, "fsdp2", devices=2, batch_size=4, max_steps=2, stop_after=2, cache_dir=corpus_cache,
-        save_checkpoint_to=str(checkpoint), world_size=2, timeout_s=300,
-    )  # fmt: skip
+        train_tiny_gpt,
+        "fsdp2",
+        devices=2,
+        batch_size=4,
+        max_steps=2,
+        stop_after=2,
+        cache_dir=corpus_cache,
+        save_checkpoint_to=str(checkpoint),
+        world_size=2,
+        timeout_s=300,
+    )
     cli(["export", str(checkpoint), str(tmp_path / "gpt"), "--hf"])
     config = json.loads((tmp_path / "gpt" / "config.json").read_text())
     assert config.pop("architectures") == ["lightscale.recipes.gpt.model.GPT"]

@@ -99,12 +99,20 @@ def _loader() -> DataLoader:
 
 def _trainer(root: Path, name: str, max_steps: int, saver: ModelCheckpoint, *, log_as: str = "") -> pl.Trainer:
     return lightscale.Trainer(
-        strategy=FAMILIES[name](), accelerator="cpu", devices=dist.get_world_size(), max_steps=max_steps,
+        strategy=FAMILIES[name](),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=max_steps,
         callbacks=[saver, EarlyStopping(monitor="val_loss", patience=20), LearningRateMonitor("step")],
-        gradient_clip_val=1.0, accumulate_grad_batches=2, val_check_interval=2, num_sanity_val_steps=0,
-        logger=CSVLogger(root, name=log_as or name, version=0), log_every_n_steps=1, enable_progress_bar=False,
+        gradient_clip_val=1.0,
+        accumulate_grad_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(root, name=log_as or name, version=0),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
 
 
 def _family(root: Path, name: str) -> dict[str, Any]:
@@ -206,9 +214,15 @@ def _manual(name: str) -> dict[str, torch.Tensor] | str:
     torch.manual_seed(0)
     model = _model_of(name)()
     trainer = lightscale.Trainer(
-        strategy=MANUAL[name](), accelerator="cpu", devices=dist.get_world_size(), max_epochs=GAN_STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy=MANUAL[name](),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_epochs=GAN_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(model, DataLoader(_gan_data(), batch_size=8 // dist.get_world_size()))
     except Exception as error:  # the refusal is the result

@@ -25,8 +25,15 @@ PIPELINED = dataclasses.replace(TINY, n_layer=4, tie_weights=False)
 def _profile(strategy: Any, cache_dir: str, out_dir: str) -> tuple[dict[str, float], dict[str, float]]:
     profiler = MemoryProfiler(every_n_steps=1, out_dir=out_dir, plot=dist.get_rank() == 0)
     config, batch = (PIPELINED, 4) if strategy == "pp2" else (TINY, 2)
-    train_tiny_gpt(strategy, devices=dist.get_world_size(), batch_size=batch, max_steps=2, config=config,
-                   cache_dir=cache_dir, extra_callbacks=[profiler])  # fmt: skip
+    train_tiny_gpt(
+        strategy,
+        devices=dist.get_world_size(),
+        batch_size=batch,
+        max_steps=2,
+        config=config,
+        cache_dir=cache_dir,
+        extra_callbacks=[profiler],
+    )
     assert profiler.estimate is not None
     estimate = {c: getattr(profiler.estimate, c).total for c in (*STATES, "activations")}
     return profiler.records[-1], estimate
@@ -48,10 +55,19 @@ def _profile(strategy: Any, cache_dir: str, out_dir: str) -> tuple[dict[str, flo
         ("pp2", 2, True),  # the estimate is the most loaded rank's: the first stage (1F1B keeps 2 microbatches)
     ],
     ids=[
-        "bucketed_ddp", "zero2", "zero3", "zero3_offload", "fsdp2_offload", "hsdp_4_ranks", "fsdp2_full_ac",
-        "fsdp2_selective_ac", "tp2_sp", "tp2_no_sp", "pp2",
+        "bucketed_ddp",
+        "zero2",
+        "zero3",
+        "zero3_offload",
+        "fsdp2_offload",
+        "hsdp_4_ranks",
+        "fsdp2_full_ac",
+        "fsdp2_selective_ac",
+        "tp2_sp",
+        "tp2_no_sp",
+        "pp2",
     ],
-)  # fmt: skip
+)
 def test_measured_matches_estimate(
     strategy: Any, ranks: int, activations: bool, corpus_cache: str, tmp_path: Path
 ) -> None:
@@ -77,8 +93,14 @@ def _fail_allocating(cache_dir: str, out_dir: str, how: str) -> str:
             raise MemoryError("injected")
 
     try:
-        train_tiny_gpt("bucketed_ddp", devices=1, batch_size=2, max_steps=3, cache_dir=cache_dir,
-                       extra_callbacks=[profiler, AllocateTooMuch()])  # fmt: skip
+        train_tiny_gpt(
+            "bucketed_ddp",
+            devices=1,
+            batch_size=2,
+            max_steps=3,
+            cache_dir=cache_dir,
+            extra_callbacks=[profiler, AllocateTooMuch()],
+        )
     except (RuntimeError, MemoryError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"

@@ -103,9 +103,14 @@ def test_it_resumes_where_it_stopped(name: str, tmp_path: Path) -> None:
     final = tmp_path / "final"
     with _address(name) as address:
         ranks = run_distributed(
-            fit, FAMILIES[name], saves={STEPS: str(final)}, lighthouse=address, ckpt_path=str(checkpoint),
-            world_size=entry["world_size"], timeout_s=180,
-        )  # fmt: skip
+            fit,
+            FAMILIES[name],
+            saves={STEPS: str(final)},
+            lighthouse=address,
+            ckpt_path=str(checkpoint),
+            world_size=entry["world_size"],
+            timeout_s=180,
+        )
     for rank, expected in zip(ranks, entry["losses_after_save"], strict=True):
         assert (rank["start_step"], rank["global_step"]) == (entry["global_step"], entry["max_steps"])
         assert sorted(rank["losses"]) == list(range(SAVE_AT + 1, STEPS + 1))  # no step before the save again

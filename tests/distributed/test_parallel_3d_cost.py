@@ -32,8 +32,9 @@ class _Record(pl.Callback):
 def _parameter_bytes(cache_dir: str) -> int:
     record = _Record()
     strategy = Parallel3DStrategy(tp=2, pp=2)
-    train_tiny_gpt(strategy, devices=4, batch_size=8, max_steps=1, config=PIPELINED, cache_dir=cache_dir,
-                   extra_callbacks=[record])  # fmt: skip
+    train_tiny_gpt(
+        strategy, devices=4, batch_size=8, max_steps=1, config=PIPELINED, cache_dir=cache_dir, extra_callbacks=[record]
+    )
     return record.parameter_bytes
 
 
@@ -81,8 +82,9 @@ def test_tensor_parallel_collectives_per_layer_match_megatron() -> None:
 def _sends(schedule: str, microbatches: int, cache_dir: str) -> int:
     counter = CommMonitor(every_n_steps=1)
     strategy = Parallel3DStrategy(pp=2, schedule=schedule, microbatches=microbatches)
-    train_tiny_gpt(strategy, devices=2, batch_size=8, max_steps=2, config=PIPELINED, cache_dir=cache_dir,
-                   extra_callbacks=[counter])  # fmt: skip
+    train_tiny_gpt(
+        strategy, devices=2, batch_size=8, max_steps=2, config=PIPELINED, cache_dir=cache_dir, extra_callbacks=[counter]
+    )
     return counter.records[1]["send"].calls  # the second step: the first also infers shapes
 
 

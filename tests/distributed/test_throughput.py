@@ -44,10 +44,20 @@ def _fit(module_class: type, cache_dir: str) -> tuple[list[dict[str, float]], li
     meter, logger = Throughput(), Collect()
     module = module_class(TINY, learning_rate=3e-3, warmup_steps=2)
     trainer = lightscale.Trainer(
-        strategy="bucketed_ddp", accelerator="cpu", devices=2, max_steps=4, accumulate_grad_batches=2,
-        log_every_n_steps=1, logger=logger, callbacks=[meter], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-    )  # fmt: skip
+        strategy="bucketed_ddp",
+        accelerator="cpu",
+        devices=2,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[meter],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, GPTDataModule(block_size=TINY.block_size, batch_size=2, cache_dir=cache_dir))
     return logger.metrics, meter.totals, GPTModule(TINY).flops_per_token
 
@@ -68,10 +78,18 @@ def _fit_pipeline(cache_dir: str) -> tuple[list[tuple[float, float, float]], int
     config = dataclasses.replace(TINY, n_layer=4, tie_weights=False)
     meter = Throughput()
     trainer = lightscale.Trainer(
-        strategy="pp2", accelerator="cpu", devices=2, max_steps=3, logger=False, callbacks=[meter],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy="pp2",
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        callbacks=[meter],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         limit_val_batches=0,
-    )  # fmt: skip
+    )
     trainer.fit(GPTModule(config), GPTDataModule(block_size=config.block_size, batch_size=4, cache_dir=cache_dir))
     return meter.totals, GPTModule(config).flops_per_token
 

@@ -143,11 +143,17 @@ def _error(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 
 @pytest.mark.parametrize(
     ("run", "kind", "parts"),
-    [("zero2", "muon", ["FlatMuon", "AdamW"]), ("zero1", "muon", ["FlatMuon", "AdamW"]),
-     ("zero3", "muon", ["FlatMuon", "AdamW"]), ("zero3_offload", "muon", ["FlatMuon", "AdamW"]),
-     ("zero2_resumed", "muon", ["FlatMuon", "AdamW"]), ("ddp_resumed", "muon", ["Muon", "AdamW"]),
-     ("sgd_zero2", "sgd", ["SGD", "AdamW"]), ("sgd_zero2_offload", "sgd", ["SGD", "AdamW"])],
-)  # fmt: skip
+    [
+        ("zero2", "muon", ["FlatMuon", "AdamW"]),
+        ("zero1", "muon", ["FlatMuon", "AdamW"]),
+        ("zero3", "muon", ["FlatMuon", "AdamW"]),
+        ("zero3_offload", "muon", ["FlatMuon", "AdamW"]),
+        ("zero2_resumed", "muon", ["FlatMuon", "AdamW"]),
+        ("ddp_resumed", "muon", ["Muon", "AdamW"]),
+        ("sgd_zero2", "sgd", ["SGD", "AdamW"]),
+        ("sgd_zero2_offload", "sgd", ["SGD", "AdamW"]),
+    ],
+)
 def test_parameters_equal_one_process(ranks: list[dict[str, Any]], run: str, kind: str, parts: list[str]) -> None:
     expected = reference(kind)
     for result in ranks:

@@ -68,8 +68,10 @@ class Tiny(nn.Module):
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
-    return [(torch.randn(GLOBAL_BATCH, IN, generator=generator), torch.randn(GLOBAL_BATCH, OUT, generator=generator))
-            for _ in range(STEPS)]  # fmt: skip
+    return [
+        (torch.randn(GLOBAL_BATCH, IN, generator=generator), torch.randn(GLOBAL_BATCH, OUT, generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
 def _shard(model: Tiny, options: ZeroPPOptions, *, bf16: bool = False) -> None:

@@ -103,8 +103,15 @@ def _diloco(inner: FSDP2Strategy, cache_dir: str) -> tuple[list[float], dict[str
 
     monitor = CommMonitor(every_n_steps=1)
     strategy = DiLoCoStrategy(workers=2, sync_every=5, inner=inner)
-    losses = train_tiny_gpt(strategy, devices=4, batch_size=2, cache_dir=cache_dir, max_steps=STEPS, sgd_lr=SGD_LR,
-                            extra_callbacks=[monitor])  # fmt: skip
+    losses = train_tiny_gpt(
+        strategy,
+        devices=4,
+        batch_size=2,
+        cache_dir=cache_dir,
+        max_steps=STEPS,
+        sgd_lr=SGD_LR,
+        extra_callbacks=[monitor],
+    )
     return losses, {kind: traffic.bytes for kind, traffic in monitor.records[-1].items()}
 
 

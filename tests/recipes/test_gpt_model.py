@@ -25,9 +25,18 @@ def test_forward_shape_and_block_size_limit():
 
 def test_module_names_are_addressable_for_parallel_plans():
     names = {name for name, _ in GPT(tiny(n_layer=2)).named_modules()}
-    for expected in ("tok_embeddings", "pos_embeddings", "layers.1.attention.wq", "layers.0.attention.wo",
-                     "layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.attention_norm",
-                     "layers.0.ffn_norm", "norm", "output"):  # fmt: skip
+    for expected in (
+        "tok_embeddings",
+        "pos_embeddings",
+        "layers.1.attention.wq",
+        "layers.0.attention.wo",
+        "layers.0.feed_forward.w1",
+        "layers.0.feed_forward.w2",
+        "layers.0.attention_norm",
+        "layers.0.ffn_norm",
+        "norm",
+        "output",
+    ):
         assert expected in names
 
 

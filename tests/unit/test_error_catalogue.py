@@ -521,9 +521,16 @@ def _zero_fit(**trainer_kwargs):
     from lightscale.recipes.gpt import GPTModule
 
     trainer = _lightscale().Trainer(
-        strategy="zero2", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
-    )  # fmt: skip
+        strategy="zero2",
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     trainer.fit(GPTModule(_cfg(block_size=8, n_layer=1, n_head=2, n_embd=16)))
 
 

@@ -158,9 +158,12 @@ def test_diloco_counts_its_outer_state_exactly(settings: dict, extra: int) -> No
     strategy = DiLoCoStrategy(**settings)
     module.configure_model()
     sync = OuterSync(
-        module.named_parameters(), sync_every=1, mode=strategy.mode, reduce=lambda payload: payload,
+        module.named_parameters(),
+        sync_every=1,
+        mode=strategy.mode,
+        reduce=lambda payload: payload,
         outer_optimizer=strategy._outer_optimizer if strategy.mode == "diloco" else None,
-    )  # fmt: skip
+    )
     sync.after_inner_step(1)
     states = [s for f in sync.fragments if f.optimizer for st in f.optimizer.state.values() for s in st.values()]
     held = sum(t.nbytes for _, t in sync.named_globals()) + sum(s.nbytes for s in states if s.dim())

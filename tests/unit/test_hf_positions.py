@@ -34,9 +34,14 @@ def _in_cp_step() -> Iterator[None]:
 
 def _llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 

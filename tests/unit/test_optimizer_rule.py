@@ -102,9 +102,15 @@ def test_refused_by_fit_before_the_first_step() -> None:
     module = Tiny()
     before = module.layer.weight.detach().clone()
     trainer = lightscale.Trainer(
-        strategy="fsdp2", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy="fsdp2",
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ConfigurationError, match="Shampoo cannot run under FSDP2Strategy"):
         trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
     assert trainer.global_step == 0 and torch.equal(module.layer.weight.full_tensor().detach(), before)

@@ -98,13 +98,19 @@ def test_zero3_passes_zeropp_to_deepspeed() -> None:
 
     strategy = ZeroStrategy(stage=3, quantized_weights="int8", quantized_gradients="int4", secondary_shard="node")
     config = build_config(
-        strategy.options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="bf16-mixed",
+        strategy.options,
+        micro_batch_size=2,
+        accumulate=1,
+        gradient_clip_val=None,
+        precision="bf16-mixed",
         processes_per_node=8,
-    )  # fmt: skip
+    )
     zero = config["zero_optimization"]
     assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
-        True, True, 8
-    )  # fmt: skip
+        True,
+        True,
+        8,
+    )
     plain = build_config(
         ZeroStrategy(stage=3).options, micro_batch_size=2, accumulate=1, gradient_clip_val=None, precision="32-true"
     )
@@ -119,10 +125,12 @@ def test_zero3_passes_zeropp_to_deepspeed() -> None:
         ({"stage": 2, "quantized_weights": "int8"}, r"needs ZeRO stage 3, got stage 2"),
         ({"stage": 3, "quantized_gradients": "int8"}, r"DeepSpeed's qgZ sends int4: choose 'none' or 'int4'"),
         ({"stage": 3, "quantized_weights": "fp8"}, r"quantized_weights='fp8' is not a ZeRO\+\+ wire"),
-        ({"stage": 3, "config": {"zero_optimization": {"zero_quantized_weights": True}}},
-         r"zero_optimization.zero_quantized_weights is set by the strategy's quantized_weights='int8'"),
+        (
+            {"stage": 3, "config": {"zero_optimization": {"zero_quantized_weights": True}}},
+            r"zero_optimization.zero_quantized_weights is set by the strategy's quantized_weights='int8'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_zero3_zeropp_refused_at_construction(kwargs: dict, match: str) -> None:
     from lightscale.strategies.deepspeed.strategy import ZeroStrategy
 

@@ -146,10 +146,12 @@ class CLIPDataModule(pl.LightningDataModule):
             images, labels = load_digits_tensors()
             images = normalize(fit_size(images, self.image_size, self.resize)).repeat(1, self.channels, 1, 1)
             train, val = split_indices(len(labels), self.val_fraction, self.seed)
-            self.train_set = DigitCaptions(images[train], labels[train], context_length=self.context_length,
-                                           seed=self.seed)  # fmt: skip
-            self.val_set = DigitCaptions(images[val], labels[val], context_length=self.context_length,
-                                         seed=self.seed + 1)  # fmt: skip
+            self.train_set = DigitCaptions(
+                images[train], labels[train], context_length=self.context_length, seed=self.seed
+            )
+            self.val_set = DigitCaptions(
+                images[val], labels[val], context_length=self.context_length, seed=self.seed + 1
+            )
             return
         pairs = self._read(self.caption_file)
         if self.val_caption_file is not None:

@@ -148,8 +148,10 @@ class ImageDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size <= 0 or image_size <= 0 or not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"need batch_size, image_size > 0 and 0 < val_fraction < 1; got {batch_size}, "
-                             f"{image_size}, {val_fraction}")  # fmt: skip
+            raise ValueError(
+                f"need batch_size, image_size > 0 and 0 < val_fraction < 1; got {batch_size}, "
+                f"{image_size}, {val_fraction}"
+            )
         self.save_hyperparameters()
         self.image_folder, self.val_folder = image_folder, val_folder
         self.image_size, self.channels, self.resize = image_size, channels, resize

@@ -26,9 +26,16 @@ from lightscale.recipes.gpt.model import Linear
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"image_size": 8, "patch_size": 2, "n_layer": 2, "n_head": 2, "n_embd": 32},
     "small": {"image_size": 8, "patch_size": 2, "n_layer": 4, "n_head": 4, "n_embd": 128},
-    "B-16": {"image_size": 224, "patch_size": 16, "channels": 3, "num_classes": 1000, "n_layer": 12, "n_head": 12,
-             "n_embd": 768},
-}  # fmt: skip
+    "B-16": {
+        "image_size": 224,
+        "patch_size": 16,
+        "channels": 3,
+        "num_classes": 1000,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_embd": 768,
+    },
+}
 
 
 @dataclass
@@ -188,8 +195,12 @@ class ViT(nn.Module):
         self.config = config = config or ViTConfig()
         self.embed = Embeddings(config)
         # A ModuleDict keyed "0", "1", ... lets pipeline stages delete layers and keep the original FQNs.
-        blocks = {str(i): Block(config.n_embd, config.n_head, config.n_layer, mlp_ratio=config.mlp_ratio,
-                                dropout=config.dropout) for i in range(config.n_layer)}  # fmt: skip
+        blocks = {
+            str(i): Block(
+                config.n_embd, config.n_head, config.n_layer, mlp_ratio=config.mlp_ratio, dropout=config.dropout
+            )
+            for i in range(config.n_layer)
+        }
         self.layers = nn.ModuleDict(blocks)
         self.norm = nn.LayerNorm(config.n_embd)
         self.head = Linear(config.n_embd, config.num_classes, bias=True) if config.num_classes else None

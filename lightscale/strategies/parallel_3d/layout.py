@@ -15,8 +15,21 @@ from lightscale.parallel.mesh import ParallelDims
 from lightscale.parallel.pipeline import default_stages_per_rank
 
 # What the layout reads of an instance: its init parameters of the same names (microbatches, stages_per_rank resolved).
-LAYOUT_SETTINGS = ("dp", "dp_mode", "tp", "pp", "ep", "cp", "cp_mode", "schedule", "microbatches", "stages_per_rank",
-                   "activation_checkpointing", "sequence_parallel", "loss_parallel")  # fmt: skip
+LAYOUT_SETTINGS = (
+    "dp",
+    "dp_mode",
+    "tp",
+    "pp",
+    "ep",
+    "cp",
+    "cp_mode",
+    "schedule",
+    "microbatches",
+    "stages_per_rank",
+    "activation_checkpointing",
+    "sequence_parallel",
+    "loss_parallel",
+)
 
 
 def dims_of(world_size: int, dp: int, dp_mode: str, *, tp: int, pp: int, ep: int, cp: int) -> ParallelDims:

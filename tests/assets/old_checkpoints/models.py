@@ -195,10 +195,19 @@ def fit(
     returns the step training started at and this rank's loss of each step."""
     watch = _Watch(saves)
     trainer = pl.Trainer(
-        strategy=family.build(lighthouse), accelerator="cpu", devices=RANKS, max_steps=STEPS, callbacks=[watch],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        strategy=family.build(lighthouse),
+        accelerator="cpu",
+        devices=RANKS,
+        max_steps=STEPS,
+        callbacks=[watch],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         default_root_dir=str(Path(next(iter(saves.values()))).parent),
-    )  # fmt: skip
+    )
     trainer.fit(Model(), loader(), ckpt_path=ckpt_path)
     return {"start_step": watch.start_step, "losses": watch.losses, "global_step": trainer.global_step}
