@@ -26,12 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from lightscale.checkpoint.async_save import AsyncCheckpointWriter
 from lightscale.checkpoint.averaged import to_lightning_convention
@@ -53,9 +57,38 @@ from lightscale.storage.shape_check import check_state_dict_shapes
 from lightscale.storage.shared_dir import check_shared_dir
 from lightscale.storage.urls import Location, check_shared, checkpoint_location
 from lightscale.strategies.registry import REGISTERED
+from lightscale.strategies.shards import TensorShards
 
-if TYPE_CHECKING:
-    from lightscale.strategies.base import LightscaleStrategy
+
+class CheckpointedStrategy(Protocol):
+    """What the checkpointer asks of the strategy it serves (``LightscaleStrategy`` answers all of it): ranks and
+    collectives, Lightning's module, optimizers and file IO, and the family's hand-over (``checkpoint_states``,
+    ``checkpoint_module``, ``checkpoint_writer``). Taking this, not the base class, keeps the base -> checkpointer
+    import one way."""
+
+    checkpoint_writer: ClassVar[PortableWriter]
+    reads_single_files: ClassVar[bool]
+    tensor_shards: ClassVar[TensorShards]
+    timeout: timedelta
+    checkpoint_io: CheckpointIO
+    optimizers: list[Any]
+
+    @property
+    def lightning_module(self) -> LightningModule: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def barrier(self, *args: Any, **kwargs: Any) -> None: ...
+    def checkpoint_states(self) -> dict[str, Stateful]: ...
+    def checkpoint_module(self) -> nn.Module: ...
 
 
 class Checkpointer:
@@ -63,7 +96,7 @@ class Checkpointer:
     background (training blocks only while the state is copied to CPU memory; lightscale/checkpoint/async_save.py),
     for strategies whose checkpointer saves through :meth:`save`."""
 
-    def __init__(self, strategy: LightscaleStrategy, *, checkpoint_format: str, async_save: bool) -> None:
+    def __init__(self, strategy: CheckpointedStrategy, *, checkpoint_format: str, async_save: bool) -> None:
         self.strategy = strategy
         self.format = checkpoint_format
         self._saved_rng_states: list[dict[str, Any]] | None = None  # from a checkpoint, set at the next batch

@@ -5,7 +5,8 @@ Every class that declares ``aliases`` registers itself when it is defined (``Lig
 Lightning's ``StrategyRegistry`` and :data:`REGISTERED`), so a subclass in a user's own file is known here like the
 built-in ones; nothing below types a strategy's name a second time. The order of the table and of the planner's
 candidates is data (:data:`ORDER`), not the order in which modules happen to be imported. This module imports no
-strategy class, so the base class can use it without an import cycle.
+strategy class, not even for its types (:class:`StrategyClass` says what it reads of one), so the base class can use
+it without an import cycle.
 
 Example:
     >>> import lightscale, lightning
@@ -16,8 +17,9 @@ Example:
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightscale.checkpoint.lightning_load import install_lightning_loading
@@ -26,12 +28,10 @@ from lightscale.estimate.plan import Plannable
 from lightscale.patches.lightning import check_strategy_names
 from lightscale.plugins.precision_contract import PrecisionRules, declare_family
 
-if TYPE_CHECKING:  # the classes register into this module; it never imports them
-    from lightscale.strategies.base import LightscaleStrategy
-
 __all__ = [
     "ORDER",
     "REGISTERED",
+    "StrategyClass",
     "check_strategy",
     "family_members",
     "memory_alternatives",
@@ -56,11 +56,23 @@ ORDER = (
 )
 
 
+class StrategyClass(Protocol):
+    """What the registry reads of a strategy class (``LightscaleStrategy`` and its subclasses declare it): its names,
+    its precision family and how it enters Lightning's ``StrategyRegistry``. The classes register into this module;
+    it never imports them."""
+
+    aliases: ClassVar[dict[str, tuple[str, dict[str, Any]]]]
+    precision_rules: ClassVar[PrecisionRules | None]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None: ...
+
+
 def _place(cls: type) -> int:
     return ORDER.index(cls.__name__) if cls.__name__ in ORDER else len(ORDER)
 
 
-class _InOrder(list[Any]):  # of type[LightscaleStrategy]
+class _InOrder(list[Any]):  # of type[StrategyClass]
     """A list whose ``append`` puts a class at its :data:`ORDER` place (after the classes of the same place), so the
     order of the strategy modules' imports decides nothing."""
 
@@ -72,7 +84,7 @@ class _InOrder(list[Any]):  # of type[LightscaleStrategy]
 REGISTERED: list[Any] = _InOrder()
 
 
-def strategy_classes() -> tuple[type[LightscaleStrategy], ...]:
+def strategy_classes() -> tuple[type[StrategyClass], ...]:
     """Every class that registered aliases: the built-in families in :data:`ORDER`, then the rest as defined."""
     return tuple(REGISTERED)
 
@@ -98,7 +110,7 @@ def check_strategy(strategy: str | Strategy) -> None:
     )
 
 
-def register_class(cls: type[LightscaleStrategy]) -> None:
+def register_class(cls: type[StrategyClass]) -> None:
     """``cls`` declares ``aliases`` in its own body (``LightscaleStrategy.__init_subclass__``, a user's file too): its
     precision family, its place in :data:`REGISTERED` (in place of a class with the same names), its names in
     Lightning's ``StrategyRegistry``."""
@@ -116,7 +128,7 @@ def register_strategies() -> None:
         cls.register_strategies(StrategyRegistry)
 
 
-def unregister_strategy(cls: type[LightscaleStrategy]) -> None:
+def unregister_strategy(cls: type[StrategyClass]) -> None:
     """Forget ``cls`` and its names (e.g. a test's strategy class, after the test)."""
     if cls in REGISTERED:
         REGISTERED.remove(cls)

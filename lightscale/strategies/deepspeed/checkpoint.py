@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,14 +26,22 @@ from lightscale.storage.atomic_dir import agreed_staging, complete_checkpoint, p
 from lightscale.storage.shape_check import check_shapes
 from lightscale.storage.staged_copy import local_directory, scratch_directory, upload_directory
 from lightscale.storage.urls import Location, RemotePath
-from lightscale.strategies.checkpointer import Checkpointer, PortableWriter
+from lightscale.strategies.checkpointer import CheckpointedStrategy, Checkpointer, PortableWriter
 from lightscale.strategies.deepspeed.load_portable import load_zero_state_dict
 from lightscale.strategies.deepspeed.partition import whole_shape
 from lightscale.strategies.deepspeed.portable_save import zero_optimizer, zero_state_dict
 from lightscale.strategies.weight_averaging import drop_average
 
-if TYPE_CHECKING:
-    from lightscale.strategies.deepspeed.strategy import ZeroStrategy
+
+class ZeroCheckpointed(CheckpointedStrategy, Protocol):
+    """What this writer asks of ZeroStrategy beyond any strategy's hand-over: DeepSpeed's engine and the names of
+    the optimizer's groups recorded before DeepSpeed flattened them. The strategy imports this writer, not the
+    other way."""
+
+    group_names: list[list[str]]
+
+    @property
+    def engine(self) -> Any: ...
 
 
 class ZeroWriter(PortableWriter):
@@ -82,7 +90,7 @@ class ZeroWriter(PortableWriter):
 ZERO_WRITER = ZeroWriter()  # ZeroStrategy's ``checkpoint_writer``
 
 
-def _zero(checkpointer: Checkpointer) -> ZeroStrategy:
+def _zero(checkpointer: Checkpointer) -> ZeroCheckpointed:
     """The ZeRO strategy whose checkpoints ``checkpointer`` writes (this writer is that class's only)."""
     return checkpointer.strategy  # type: ignore[return-value]
 
