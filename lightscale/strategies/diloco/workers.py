@@ -85,10 +85,16 @@ def diloco_layout(name: str, dims: ParallelDims, sharded: bool, momentum: bool, 
     outer = 4 + 4 * momentum + 4 * (compression != "none")
     world_size = dims.world_size
     return Layout(
-        name, world_size, shard_optimizer=sharded, shard_gradients=sharded, shard_parameters=sharded,
-        dp_shard=dims.dp_shard if sharded else 1, dp_replicate=dims.dp_replicate if sharded else world_size,
-        activation_checkpointing=ac, outer_state_bytes=outer,
-    )  # fmt: skip
+        name,
+        world_size,
+        shard_optimizer=sharded,
+        shard_gradients=sharded,
+        shard_parameters=sharded,
+        dp_shard=dims.dp_shard if sharded else 1,
+        dp_replicate=dims.dp_replicate if sharded else world_size,
+        activation_checkpointing=ac,
+        outer_state_bytes=outer,
+    )
 
 
 def check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:
