@@ -20,6 +20,7 @@ from lightscale.callbacks import CommMonitor
 from lightscale.checkpoint.convert import read_model_state
 from lightscale.strategies import BucketedDDPStrategy, DiLoCoStrategy
 from lightscale.strategies.diloco.checkpoint import global_model
+from lightscale.strategies.diloco.inner import BucketedDDPWorker
 from lightscale.testing import run_distributed
 
 STEPS = 6
@@ -145,13 +146,13 @@ def test_h1_equals_data_parallel_and_local_sgd_equals_averaging() -> None:
 
 class OwnInner:
     """An inner strategy that is no lightscale class: it answers InnerStrategy (strategies/diloco/inner.py) by handing
-    each question to a reducer of its own (here bucketed_ddp's, with a smaller bucket)."""
+    each question to a reducer of its own (here bucketed_ddp's adapter, with a smaller bucket)."""
 
     precision_rules = BucketedDDPStrategy.precision_rules
     shards_parameters = False
 
     def __init__(self) -> None:
-        self._reducer = BucketedDDPStrategy(bucket_cap_mb=1.0)
+        self._reducer = BucketedDDPWorker(BucketedDDPStrategy(bucket_cap_mb=1.0))
 
     def check_inner_settings(self) -> None:
         pass

@@ -21,13 +21,10 @@ from lightscale.estimate.plan import Plannable
 from lightscale.fault_tolerance.replica import (
     FaultTolerantHooks,
     FaultTolerantReplica,
-    refuse_ft_inside_diloco,
     replica_fault_tolerance,
 )
 from lightscale.fault_tolerance.settings import FaultTolerance
-from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.data_parallel import BucketedGradReducer, Compression, validate_reducer_settings
-from lightscale.parallel.parallelize import ParallelizeOptions
 from lightscale.parallel.powersgd import EveryRankState, validate_powersgd
 from lightscale.plugins.fsdp_precision import precision_name
 from lightscale.plugins.precision_contract import PrecisionRules, enforce_contract, float8_refused
@@ -136,38 +133,6 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
             powersgd_rank=self.powersgd_rank,
             powersgd_warmup_steps=self.powersgd_warmup_steps,
         )
-
-    # ---- inside a DiLoCo worker (strategies/diloco/inner.py): the reducer over the worker's ranks -----------
-    shards_parameters = False
-
-    def check_inner_settings(self) -> None:
-        """Every setting nests (the reducer runs over the worker's ranks) but ``fault_tolerant``, which DiLoCo
-        would never run: its workers fail and heal through ``DiLoCoStrategy(fault_tolerant=...)``."""
-        refuse_ft_inside_diloco(self.ft, "BucketedDDPStrategy")
-
-    def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
-        enforce_contract(
-            self.precision_rules, precision_name(plugin), device_type=device_type, compression=self.compression
-        )
-        return plugin
-
-    def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
-        return ParallelizeOptions(activation_checkpointing=activation_checkpointing, compile=compile, fsdp_over="none")
-
-    def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:
-        self.reducer = self._reducer(module, group=group) if group is not None else None
-
-    def before_inner_step(self) -> None:
-        if self.reducer is not None:
-            self.reducer.sync_buffers()
-
-    def inner_no_sync(self, model: nn.Module | None) -> AbstractContextManager:
-        return self.reducer.no_sync() if self.reducer is not None else nullcontext()
-
-    def stop_inner_sync(self) -> None:
-        if self.reducer is not None:
-            self.reducer.remove()
-            self.reducer = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

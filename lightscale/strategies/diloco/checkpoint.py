@@ -10,16 +10,21 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
 from lightscale.checkpoint.portable import write_checkpoint
 from lightscale.errors import ConfigurationError
+from lightscale.fault_tolerance.diloco import FaultTolerantOuterSync
 from lightscale.parallel.diloco import OuterSync
+from lightscale.parallel.mesh import ParallelDims
 from lightscale.strategies.checkpointer import Checkpointer, PortableWriter
+from lightscale.strategies.diloco.inner import InnerStrategy
 from lightscale.strategies.diloco.saved_state import (
     diloco_state,
     like_param,
@@ -29,8 +34,32 @@ from lightscale.strategies.diloco.saved_state import (
 )
 from lightscale.strategies.weight_averaging import drop_average
 
-if TYPE_CHECKING:
-    from lightscale.strategies.diloco.strategy import DiLoCoStrategy
+
+class DiLoCoRun(Protocol):
+    """What :class:`DiLoCoWriter` reads of the strategy whose checkpoints it writes (``DiLoCoStrategy`` answers it):
+    named here so that this module, which the strategy imports, does not import the strategy back."""
+
+    outer: OuterSync | None  # None before and after training: the writer then writes as any strategy's
+    ft: FaultTolerantOuterSync | None
+    inner: InnerStrategy
+
+    @property
+    def dims(self) -> ParallelDims: ...
+
+    @property
+    def worker(self) -> int: ...
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]: ...
+
+    @property
+    def lightning_module(self) -> LightningModule | None: ...
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
 
 
 def global_model(module: nn.Module, outer: OuterSync) -> dict[str, torch.Tensor]:
@@ -118,7 +147,7 @@ class DiLoCoWriter(PortableWriter):
 DILOCO_WRITER = DiLoCoWriter()  # DiLoCoStrategy's ``checkpoint_writer``
 
 
-def _diloco(checkpointer: Checkpointer) -> DiLoCoStrategy:
+def _diloco(checkpointer: Checkpointer) -> DiLoCoRun:
     """The DiLoCo strategy whose checkpoints ``checkpointer`` writes (this writer is that class's only)."""
     return checkpointer.strategy  # type: ignore[return-value]
 

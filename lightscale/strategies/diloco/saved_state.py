@@ -39,8 +39,9 @@ def like_param(param: Tensor, local: Tensor) -> Tensor:
     """``local`` (this rank's values of ``param``) as a tensor of the whole model: a DTensor when ``param`` is one."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
-                              run_check=False)  # fmt: skip
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
 
 
 def _outer_entries(sync: OuterSync) -> list[tuple[int, int, int]]:
@@ -169,6 +170,9 @@ def _load_inner(optimizer: Optimizer, state: dict[int, dict[str, Tensor]], group
         for key, value in entries.items():
             if isinstance(param, DTensor) and value.dim() > 0:  # load_state_dict cast a local tensor: wrap it back
                 optimizer.state[param][key] = DTensor.from_local(
-                    value.to(param.device), param.device_mesh, param.placements, shape=param.shape,
+                    value.to(param.device),
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
                     stride=param.stride(),
-                )  # fmt: skip
+                )

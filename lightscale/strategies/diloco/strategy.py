@@ -22,23 +22,25 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightscale.data.data_shard import DataShard
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
+from lightscale.fault_tolerance.diloco import FaultTolerantOuterSync
 from lightscale.fault_tolerance.diloco_worker import (
+    fault_tolerant_outer_sync,
     join_first_quorum,
     worker_data_shard,
     worker_fault_tolerance,
 )
+from lightscale.fault_tolerance.settings import FaultTolerance
 from lightscale.optim.rule import ParameterView
 from lightscale.parallel.activation_checkpoint import ACMode, check_ac_mode
 from lightscale.parallel.contract import data_parallel_root, data_parallel_roots, manual_optimization, sharding_units
 from lightscale.parallel.diloco import (
-    FaultTolerance,
-    FaultTolerantOuterSync,
     OuterSync,
     Schedule,
     check_outer_settings,
@@ -54,7 +56,6 @@ from lightscale.strategies.class_info import SEVERAL_OPTIMIZERS, init_arguments
 from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.strategies.diloco.checkpoint import DILOCO_WRITER, check_file_format
 from lightscale.strategies.diloco.inner import InnerStrategy
-from lightscale.strategies.diloco.outer import averaging_gradients, globals_in, locals_back, outer_sync_for
 from lightscale.strategies.diloco.workers import (
     DEFAULT_INNER,
     Inner,
@@ -66,6 +67,7 @@ from lightscale.strategies.diloco.workers import (
     shards_parameters,
     worker_dims,
 )
+from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 
 
 class DiLoCoStrategy(LightscaleStrategy):
@@ -74,10 +76,10 @@ class DiLoCoStrategy(LightscaleStrategy):
     Args:
         workers: replica groups that sync every ``sync_every`` steps; default one per node on several nodes, one
             per rank on one machine. Must divide the world size.
-        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), or any
-            object that answers ``InnerStrategy`` (diloco/inner.py) (``BucketedDDPStrategy(...)``,
-            ``FSDP2Strategy(...)``, a user's own) whose settings (bucket sizes, bf16 or PowerSGD gradients, FSDP2's
-            reduce dtype) the worker runs with (lightscale/strategies/diloco/inner.py).
+        inner: the data parallelism inside a worker: ``"bucketed_ddp"`` or ``"fsdp2"`` (with their defaults), a
+            ``BucketedDDPStrategy(...)`` or ``FSDP2Strategy(...)`` whose settings (bucket sizes, bf16 or PowerSGD
+            gradients, FSDP2's reduce dtype) the worker runs with (through its adapter), or any object that answers
+            ``InnerStrategy``, a user's own (lightscale/strategies/diloco/inner.py).
         sync_every: ``H``, optimizer steps between two syncs (of each fragment).
         outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0); ``None``: the default for
             ``sync_every`` (:func:`~lightscale.parallel.diloco.outer_sync.default_outer_step`, from the sweep in
@@ -136,7 +138,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         self,
         *,
         workers: int | None = None,
-        inner: Inner | InnerStrategy = DEFAULT_INNER,
+        inner: Inner | BucketedDDPStrategy | FSDP2Strategy | InnerStrategy = DEFAULT_INNER,
         sync_every: int = 100,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -275,8 +277,43 @@ class DiLoCoStrategy(LightscaleStrategy):
         worker = axis(self.device_mesh, "dp_shard")
         self.inner.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self.outer, self.ft = outer_sync_for(self, module)
+            self.outer, self.ft = self._outer_sync(module)
         return module
+
+    def _outer_sync(self, module: nn.Module) -> tuple[OuterSync, FaultTolerantOuterSync | None]:
+        """The OuterSync over the ``dp_replicate`` group that the settings ask for, or torchft's (with the
+        :class:`~lightscale.parallel.diloco.FaultTolerantOuterSync` that holds it) when fault-tolerant."""
+        outer_optimizer = self._outer_optimizer if self.mode == "diloco" else None
+        schedule = self.schedule
+        if outer_optimizer is not None:
+            chosen = "the default for this H" if self.outer_step_defaulted else "as given"
+            rank_zero_info(
+                f"lightscale: DiLoCo outer step every {schedule.sync_every} steps: SGD lr {self.outer_lr}, "
+                f"Nesterov momentum {self.outer_momentum} ({chosen}; docs/strategies/diloco.md)."
+            )
+        if self.ft_settings is not None:
+            ft = fault_tolerant_outer_sync(
+                self.ft_settings,
+                module,
+                sync_every=schedule.sync_every,
+                mode=self.mode,
+                outer_optimizer=outer_optimizer,
+                world_size=self.world_size,
+            )
+            return ft.sync, ft
+        outer = OuterSync(
+            module.named_parameters(),
+            sync_every=schedule.sync_every,
+            group=axis(self.device_mesh, "dp_replicate").get_group(),
+            mode=self.mode,
+            outer_optimizer=outer_optimizer,
+            fragments=schedule.fragments,
+            overlap_steps=schedule.overlap_steps,
+            compression=self.compression,
+            broadcast_start=False,
+            synchronous_steps=self.synchronous_steps,
+        )
+        return outer, None
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return sgd_outer_optimizer(self.outer_lr, self.outer_momentum)(params)
@@ -315,7 +352,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         """Lightning calls this once per optimizer step (after accumulation): the outer step follows the inner one.
         A synchronous step averages the gradients over the workers inside the closure, before clipping sees them."""
         if self.outer is not None and self.outer.synchronous:
-            closure = averaging_gradients(closure, self.outer)
+            closure = _averaging_gradients(closure, self.outer)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer is not None:
             self.outer.after_inner_step(self.outer.step + 1)
@@ -334,13 +371,18 @@ class DiLoCoStrategy(LightscaleStrategy):
     def on_validation_start(self) -> None:
         """Validation measures the global model (as DiLoCo reports); each worker's own parameters come back after."""
         super().on_validation_start()
-        if self.outer is not None:
-            self._kept_locals = globals_in(self.outer)
+        if self.outer is not None:  # each worker's own parameters, kept for on_validation_end
+            self._kept_locals = [self.outer.local(i).clone() for i in range(len(self.outer.params))]
+            with torch.no_grad():
+                for i, (_, tensor) in enumerate(self.outer.named_globals()):
+                    self.outer.local(i).copy_(tensor)
 
     @override
     def on_validation_end(self) -> None:
         if self.outer is not None and self._kept_locals is not None:
-            locals_back(self.outer, self._kept_locals)
+            with torch.no_grad():
+                for i, tensor in enumerate(self._kept_locals):
+                    self.outer.local(i).copy_(tensor)
             self._kept_locals = None
         super().on_validation_end()
 
@@ -352,3 +394,14 @@ class DiLoCoStrategy(LightscaleStrategy):
             self.ft = None
         self.outer = None
         super().teardown()
+
+
+def _averaging_gradients(closure: Any, outer: OuterSync) -> Any:
+    """``closure`` followed by the average of the gradients over the workers (a synchronous step), before clipping."""
+
+    def closure_then_average() -> Any:
+        result = closure()
+        outer.average_gradients()
+        return result
+
+    return closure_then_average

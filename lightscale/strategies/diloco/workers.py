@@ -1,5 +1,6 @@
-"""What a DiLoCo worker is: the inner strategy its ranks run (a name or any object answering
-``InnerStrategy`` (diloco/inner.py)), how workers divide the ranks, and what that holds in memory.
+"""What a DiLoCo worker is: the inner strategy its ranks run (a name, a lightscale strategy object under its adapter
+or any object answering ``InnerStrategy``: diloco/inner.py), how workers divide the ranks, and what that holds in
+memory.
 
 Example:
     >>> worker_dims(8, 2)  # two workers of four ranks each
@@ -17,7 +18,7 @@ from lightscale.parallel.activation_checkpoint import ACMode
 from lightscale.parallel.mesh import ParallelDims
 from lightscale.plugins.precision_contract import FLOAT8
 from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
-from lightscale.strategies.diloco.inner import InnerStrategy
+from lightscale.strategies.diloco.inner import WORKER_ADAPTERS, InnerStrategy, worker_adapter
 from lightscale.strategies.fsdp2.strategy import FSDP2Strategy
 
 # inner= by name: the name each class that nests registers for its defaults (bucketed_ddp's, FSDP2's).
@@ -29,30 +30,42 @@ DEFAULT_INNER = BucketedDDPStrategy.default_name()
 Inner = Literal[INNERS]  # type: ignore[valid-type]  # the names, for jsonargparse
 
 
-def inner_strategy(inner: Inner | InnerStrategy) -> InnerStrategy:
-    """The inner strategy object: a name builds it with its defaults; an object satisfying
-    :class:`~lightscale.strategies.diloco.inner.InnerStrategy` is used as given (its own settings: bucket sizes, bf16 or
-    PowerSGD gradients, FSDP2's reduce dtype), after refusing the settings it says cannot nest."""
+def inner_strategy(inner: Inner | InnerStrategy | BucketedDDPStrategy | FSDP2Strategy) -> InnerStrategy:
+    """What the worker asks its questions of: a name builds the strategy with its defaults, under its adapter
+    (diloco/inner.py); a ``BucketedDDPStrategy`` or ``FSDP2Strategy`` runs its own settings (bucket sizes, bf16 or
+    PowerSGD gradients, FSDP2's reduce dtype) under its adapter; an object satisfying
+    :class:`~lightscale.strategies.diloco.inner.InnerStrategy` is used as given; an object after refusing the
+    settings it says cannot nest."""
     if isinstance(inner, str) and inner in INNER_CLASSES:
-        return INNER_CLASSES[inner]()
-    if isinstance(inner, str) or not isinstance(inner, InnerStrategy):
+        return WORKER_ADAPTERS[INNER_CLASSES[inner]](INNER_CLASSES[inner]())  # type: ignore[arg-type]
+    worker = None if isinstance(inner, str) else worker_adapter(inner)
+    if worker is None:
         raise ConfigurationError(
             f"inner={inner!r} cannot run inside a DiLoCo worker; choose one of {', '.join(INNERS)}, or a strategy "
             "object that answers lightscale.strategies.diloco.inner.InnerStrategy (BucketedDDPStrategy, FSDP2Strategy; "
             "engines that own the optimizer step, such as DeepSpeed's ZeRO, and tp/pp layouts do not nest)."
         )
-    inner.check_inner_settings()
-    return inner
+    worker.check_inner_settings()
+    return worker
 
 
-def shards_parameters(inner: Inner | InnerStrategy) -> bool:
-    """Whether the worker's ranks each hold a shard, asked of the class for a name (no instance built)."""
-    return (INNER_CLASSES[inner] if isinstance(inner, str) else inner).shards_parameters
+def shards_parameters(inner: Inner | InnerStrategy | BucketedDDPStrategy | FSDP2Strategy) -> bool:
+    """Whether the worker's ranks each hold a shard, asked of the adapter's class for a name (no instance built)."""
+    if isinstance(inner, str):
+        return WORKER_ADAPTERS[INNER_CLASSES[inner]].shards_parameters
+    return _asked(inner).shards_parameters
 
 
-def inner_parameter_view(inner: Inner | InnerStrategy) -> ParameterView:
+def inner_parameter_view(inner: Inner | InnerStrategy | BucketedDDPStrategy | FSDP2Strategy) -> ParameterView:
     """How the worker's optimizer sees parameters, asked of the class for a name (no instance built)."""
-    return INNER_CLASSES[inner].parameter_view if isinstance(inner, str) else inner.optimizer_parameter_view()
+    if isinstance(inner, str):
+        return INNER_CLASSES[inner].parameter_view
+    return _asked(inner).optimizer_parameter_view()
+
+
+def _asked(inner: InnerStrategy | BucketedDDPStrategy | FSDP2Strategy) -> InnerStrategy:
+    """What answers for ``inner`` before construction checks it (the estimator's questions): its adapter, or itself."""
+    return worker_adapter(inner) or inner  # type: ignore[return-value]
 
 
 def worker_dims(world_size: int, workers: int) -> ParallelDims:
@@ -72,10 +85,16 @@ def diloco_layout(name: str, dims: ParallelDims, sharded: bool, momentum: bool, 
     outer = 4 + 4 * momentum + 4 * (compression != "none")
     world_size = dims.world_size
     return Layout(
-        name, world_size, shard_optimizer=sharded, shard_gradients=sharded, shard_parameters=sharded,
-        dp_shard=dims.dp_shard if sharded else 1, dp_replicate=dims.dp_replicate if sharded else world_size,
-        activation_checkpointing=ac, outer_state_bytes=outer,
-    )  # fmt: skip
+        name,
+        world_size,
+        shard_optimizer=sharded,
+        shard_gradients=sharded,
+        shard_parameters=sharded,
+        dp_shard=dims.dp_shard if sharded else 1,
+        dp_replicate=dims.dp_replicate if sharded else world_size,
+        activation_checkpointing=ac,
+        outer_state_bytes=outer,
+    )
 
 
 def check_settings(workers: int | None, outer_lr: float, outer_momentum: float) -> None:

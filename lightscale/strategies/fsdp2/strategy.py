@@ -28,7 +28,6 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from typing_extensions import override
 
@@ -277,51 +276,6 @@ class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
     @override
     def model_to_device(self) -> None:
         pass  # apply_parallelism places (or materializes) the shards
-
-    # ---- inside a DiLoCo worker (strategies/diloco/inner.py): FSDP2 over the worker's ranks -----------------
-    shards_parameters = True
-
-    def check_inner_settings(self) -> None:
-        fault_tolerant_step.refuse_ft_inside_diloco(self.ft, "FSDP2Strategy")
-        if self.offload or self.dp_replicate != 1:
-            raise ConfigurationError(
-                f"inner=FSDP2Strategy(offload={self.offload}, dp_replicate={self.dp_replicate}) cannot run inside a "
-                "DiLoCo worker: a worker shards over its own ranks on the device (offload=False, dp_replicate=1); the "
-                "workers are DiLoCo's replicas."
-            )
-
-    def inner_precision(self, plugin: Precision, device_type: str) -> Precision:
-        name = precision_name(plugin)
-        enforce_contract(self.precision_rules, name, device_type=device_type, compression=self.compression)
-        return fsdp2_precision_plugin(name, device_type)
-
-    def inner_options(self, precision: str, *, activation_checkpointing: ACMode, compile: bool) -> ParallelizeOptions:
-        if self.zeropp.secondary_shard is not None:
-            raise ConfigurationError(
-                f"secondary_shard={self.zeropp.secondary_shard!r} (hpZ) is not applied inside a DiLoCo worker; its "
-                "quantized wires are (quantized_weights, quantized_gradients). Drop secondary_shard from inner=."
-            )
-        return ParallelizeOptions(
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            mp_policy=mp_policy(precision, self.compression),
-            reshard_after_forward=self.reshard_after_forward,
-            always_shard=True,
-            fsdp_over="dp_shard",  # the workers meet through DiLoCo's outer sync, not through FSDP
-            zeropp=self.zeropp if self.zeropp.enabled else None,  # over the worker's ranks
-        )
-
-    def start_inner_sync(self, module: nn.Module, group: ProcessGroup | None) -> None:
-        """FSDP2's reduce-scatter is already on the worker's shards."""
-
-    def before_inner_step(self) -> None:
-        """Nothing: every rank of a worker holds shards of the same buffers' owner module."""
-
-    def inner_no_sync(self, model: nn.Module | None) -> AbstractContextManager:
-        return no_gradient_sync(model)
-
-    def stop_inner_sync(self) -> None:
-        """Nothing to release."""
 
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
