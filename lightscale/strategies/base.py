@@ -212,8 +212,9 @@ class LightscaleStrategy(ProcessStrategy):
         seed_workers_by_data_shard(loader, kwargs["rank"])
         # A stream's saved position: the batches trained, not Lightning's look-ahead (data/loader_position.py).
         loader = maybe_track_trained_position(loader, training=training)
-        if self.per_step_replica is not None and training:
-            self.per_step_replica.join(trainer, loader)  # before the data is read: a replica behind heals, reads on
+        replica = self.per_step_replica
+        if replica is not None and training:
+            replica.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
         return loader
 
     @property
@@ -404,8 +405,9 @@ class LightscaleStrategy(ProcessStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._batch_agreement is not None:
             self._batch_agreement.maybe_check(batch, device=self.root_device)
-        if self.per_step_replica is not None:
-            self.per_step_replica.begin(self.lightning_module.trainer, batch_idx)  # this batch's quorum
+        replica = self.per_step_replica
+        if replica is not None:
+            replica.begin(self.lightning_module.trainer, batch_idx)  # this batch's quorum
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod
@@ -416,8 +418,9 @@ class LightscaleStrategy(ProcessStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.per_step_replica is not None:
-            self.per_step_replica.finish()
+        replica = self.per_step_replica
+        if replica is not None:
+            replica.finish()
         self.checkpointer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:
