@@ -14,8 +14,8 @@ from typing_extensions import override
 from lightscale.callbacks.measured_state import ModelStateBytes, model_state_bytes
 from lightscale.callbacks.throughput import Throughput
 from lightscale.data.data_shard import data_shard
-from lightscale.fault_tolerance.replica import replica_of
 from lightscale.plugins.precision_contract import PRECISIONS, meaning, normalize_precision
+from lightscale.strategies.base import LightscaleStrategy
 
 
 class RunSummary(Callback):
@@ -110,7 +110,8 @@ def _format(
 
 def _fault_tolerance_note(trainer: Trainer) -> list[str]:
     """Per-step fault tolerance: the steps this replica committed with fewer replicas, and those dropped."""
-    ft = replica_of(trainer.strategy)  # bucketed_ddp or the FSDP2 family with fault_tolerant=
+    strategy = trainer.strategy  # bucketed_ddp or the FSDP2 family with fault_tolerant= holds a replica
+    ft = strategy.per_step_replica if isinstance(strategy, LightscaleStrategy) else None
     return [f"  fault tolerance: {ft.summary()}"] if ft is not None else []
 
 

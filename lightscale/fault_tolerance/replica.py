@@ -5,9 +5,9 @@ step (lightscale/fault_tolerance/step.py) and heals from a live peer when behind
 A healing replica receives the Lightning state a peer holds at the start of the step: parameters and buffers,
 optimizer and LR-scheduler states, the step counters, the random states and the position in the epoch (its
 sampler, lightscale's, reads on from there in its own part of the data). Rank 0 of each replica logs one line per
-step and ``ft/replicas`` to the loggers. The settings are checked here, before any process starts.
-:class:`FaultTolerantHooks` are the strategy hooks both families with ``fault_tolerant=`` mix in (bucketed_ddp,
-and the FSDP2 family through its sharded replica, fault_tolerance/sharded_replica.py).
+step and ``ft/replicas`` to the loggers. The settings are checked here, before any process starts. A family with
+``fault_tolerant=`` holds its replica (bucketed_ddp, and the FSDP2 family its sharded one) and answers it as
+``per_step_replica``: lightscale's strategy base (strategies/base.py) calls it at its hooks where one is set.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from lightscale.data.sampler import position_in_epoch
 from lightscale.errors import ConfigurationError
 from lightscale.fault_tolerance.settings import FaultTolerance, fault_tolerance_of
 from lightscale.fault_tolerance.step import FaultTolerantStep
-from lightscale.parallel.mesh import ParallelDims
 
 FEATURE_NAME = "per-step fault tolerance (bucketed_ddp, hsdp)"
 
@@ -299,51 +298,6 @@ class FaultTolerantReplica:
         self.step = None
 
 
-class FaultTolerantHooks:
-    """The strategy hooks ``fault_tolerant=`` adds to a data-parallel family (mixed in before the strategy base;
-    inert when ``ft`` is ``None``): the replica's data part, its first quorum before the data is read, a quorum per
-    batch, the gated optimizer step and the shutdown."""
-
-    ft: FaultTolerantReplica | None = None
-
-    def data_shard_of(self, dims: ParallelDims) -> DataShard:
-        """With ``data_shards``, a fault-tolerant replica reads its own part of the dataset, split over its ranks."""
-        shard = super().data_shard_of(dims)  # type: ignore[misc]
-        return shard if self.ft is None else replica_data_shard(self.ft.settings, shard)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        loader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer: Trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if self.ft is not None and trainer.training:
-            self.ft.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
-        return loader
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self.ft is not None:
-            self.ft.begin(self.lightning_module.trainer, batch_idx)  # type: ignore[attr-defined]
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        parent = super().optimizer_step  # type: ignore[misc]
-        if self.ft is None:
-            return parent(optimizer, closure, model, **kwargs)
-        apply = lambda ran: parent(optimizer, ran, model, **kwargs)  # noqa: E731
-        return self.ft.optimizer_step(apply, closure)
-
-    def teardown(self) -> None:
-        if self.ft is not None:
-            self.ft.finish()
-        super().teardown()  # type: ignore[misc]
-
-    def checkpoint_states(self) -> dict[str, Any]:
-        """torchft's state (``lightscale.fault_tolerance``: the replica's name, its count of committed steps, a heal's
-        jump) handed to the checkpointer beside the family's own when the strategy runs with ``fault_tolerant=``."""
-        states = super().checkpoint_states()  # type: ignore[misc]
-        if self.ft is not None:
-            states["fault_tolerance"] = SavedReplicaState(self.ft)
-        return states
-
-
 class SavedReplicaState:
     """The replica's part of a checkpoint, as the checkpointer takes state (a ``Stateful``): its name, torchft's count
     and a heal's jump. (The replica's own ``state_dict`` is what torchft's transport sends a healing peer.)"""
@@ -356,8 +310,3 @@ class SavedReplicaState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.replica.restore_checkpoint_state(state)
-
-
-def replica_of(strategy: object) -> FaultTolerantReplica | None:
-    """The replica of a family with ``fault_tolerant=`` (``None``: off, or a family without it)."""
-    return strategy.ft if isinstance(strategy, FaultTolerantHooks) else None

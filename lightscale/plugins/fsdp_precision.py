@@ -3,9 +3,10 @@
 FSDP2 casts the all-gathered parameters to ``param_dtype`` for compute and reduces gradients in
 ``reduce_dtype``; the sharded parameters (master weights) and the optimizer stay fp32. So the Lightning
 plugin only keeps the parts FSDP does not do: the loss scaler for fp16 (a ``ShardedGradScaler``, whose
-inf/NaN check agrees across ranks) and gradient-norm clipping over the full, sharded gradient. ``parallel_3d``
-runs the same plugins (:func:`parallel_3d_precision_plugin`), with autocast where FSDP does not cast, and clips
-over the pipeline group too: Lightning clips through the precision plugin, so the plugin is the hook.
+inf/NaN check agrees across ranks) and gradient-norm clipping over the full, sharded gradient
+(:func:`clip_grad_norm_`). ``parallel_3d`` runs the same plugins (:func:`parallel_3d_precision_plugin`), with autocast
+where FSDP does not cast, and clips over the pipeline group too: Lightning clips through the precision plugin, so the
+plugin is the hook.
 
 =============  ===================================  =====================
 precision      MixedPrecisionPolicy                 loss scaling
@@ -19,7 +20,8 @@ precision      MixedPrecisionPolicy                 loss scaling
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections import defaultdict
+from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -35,7 +38,6 @@ from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.layers.float8 import Float8Options, precompute_float8_scales
-from lightscale.parallel.grad_norm import clip_grad_norm_
 from lightscale.plugins.precision_contract import DTYPES, FLOAT8, PRECISIONS, normalize_precision
 
 
@@ -63,6 +65,50 @@ def mp_policy(precision: str, compression: str = "none", *, cast_params: bool = 
         compute = torch.bfloat16
     reduce = DTYPES.get(compression) or (torch.float32 if compute is not None else None)
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+
+
+# ---- clipping the whole model's gradient norm, as on one device --------------------------------------------
+def total_grad_norm(parameters: Iterable[Tensor], *, pp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """The 2-norm of all gradients of ``parameters`` across every parallel dimension (identical on all ranks).
+
+    A DTensor gradient's norm is reduced over the mesh axes it is sharded on (``full_tensor`` of the partial norm) and
+    counted once over axes it is replicated on; gradients are grouped by (mesh, placements) because torch stacks
+    per-tensor norms per group; pipeline stages hold disjoint parameters, so squared norms are summed over
+    ``pp_group``.
+    """
+    groups: dict[object, list[Tensor]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups[key].append(grad)
+    squares = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares = squares.to(norm.device) + norm.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squares, group=pp_group)
+    return squares.sqrt()
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm before clipping.
+
+    Example:
+        >>> total = clip_grad_norm_(model.parameters(), 1.0, pp_group=mesh["pp"].get_group())
+    """
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, pp_group=pp_group)
+    scale = min(1.0, max_norm / (total.item() + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+    if scale < 1.0:
+        for param in params:
+            param.grad.mul_(scale)
+    return total
 
 
 class _ShardedClipping:

@@ -12,6 +12,8 @@ What a subclass supplies (``setup`` and the four step methods are one template h
       contract), ``apply_parallelism(module)`` (wrap/shard/hook the single-device model), ``step_context(step)``;
     * optionally ``backward`` (a pipeline schedule ran it in ``training_step``) and ``optimizer_step`` (an engine such
       as DeepSpeed's owns step and accumulation); ``tensor_shards`` where its tensors differ from torch's defaults;
+    * ``per_step_replica`` where ``fault_tolerant=`` makes this launch one torchft replica (bucketed_ddp, the FSDP2
+      family): the base's hooks call it where one is set (fault_tolerance/replica.py), and are inert where not;
     * for checkpoints, handed to the one ``checkpointer``: ``checkpoint_states()`` (its own state as named ``Stateful``
       objects: bucketed_ddp's PowerSGD, fault tolerance), ``checkpoint_module()`` (what a rank holds: parallel_3d's
       stages) and ``checkpoint_writer`` (one object where writing itself differs: ZeRO's engine, DiLoCo's workers);
@@ -22,6 +24,7 @@ See docs/architecture.md ("Adding a strategy") and the call path of one training
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any, ClassVar
 
@@ -36,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightscale.data.batch_agreement import DEFAULT_EVERY, BatchAgreement, check_every
@@ -45,6 +49,7 @@ from lightscale.data.sampler import exactly_once_loader, position_in_epoch, seed
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
+from lightscale.fault_tolerance.replica import FaultTolerantReplica, SavedReplicaState, replica_data_shard
 from lightscale.optim.install import install_exact_optimizers
 from lightscale.optim.rule import ParameterView, check_optimizers
 from lightscale.parallel.fsdp import reset_interrupted_roots
@@ -104,7 +109,8 @@ class LightscaleStrategy(ProcessStrategy):
         DiLoCo's outer state, ...): each ``state_dict()`` is saved in the checkpoint's ``lightscale`` entry under its
         name (collective: every rank calls it), and a resumed fit gives it back with ``load_state_dict`` where the
         checkpoint holds that name. The checkpointer never reads a family's fields; this is all it asks."""
-        return {}
+        replica = self.per_step_replica
+        return {} if replica is None else {"fault_tolerance": SavedReplicaState(replica)}
 
     def checkpoint_module(self) -> nn.Module:
         """The module whose state this rank's checkpoints hold, under the LightningModule's own parameter names (the
@@ -187,8 +193,11 @@ class LightscaleStrategy(ProcessStrategy):
         return {"num_replicas": shard.count, "rank": shard.index}
 
     def data_shard_of(self, dims: ParallelDims) -> DataShard:
-        """This rank's data shard under ``dims``: the one answer the sampler and ``lightscale.data_shard()`` give."""
-        return DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+        """This rank's data shard under ``dims``: the one answer the sampler and ``lightscale.data_shard()`` give (with
+        ``data_shards``, a fault-tolerant replica reads its own part of the dataset, split over its ranks)."""
+        shard = DataShard(dims.data_rank(self.global_rank), dims.data_shards)
+        replica = self.per_step_replica
+        return shard if replica is None else replica_data_shard(replica.settings, shard)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -202,7 +211,11 @@ class LightscaleStrategy(ProcessStrategy):
         loader = exactly_once_loader(dataloader, **kwargs, training=training, drop_remainder=drop, position=position)
         seed_workers_by_data_shard(loader, kwargs["rank"])
         # A stream's saved position: the batches trained, not Lightning's look-ahead (data/loader_position.py).
-        return maybe_track_trained_position(loader, training=training)
+        loader = maybe_track_trained_position(loader, training=training)
+        replica = self.per_step_replica
+        if replica is not None and training:
+            replica.join(trainer, loader)  # before the data is read: a replica behind heals and reads on from there
+        return loader
 
     @property
     def runs_stochastic_weight_averaging(self) -> bool:
@@ -360,6 +373,26 @@ class LightscaleStrategy(ProcessStrategy):
         return self.gradient_sync_context()
 
     @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step (the precision plugin's, which steps the optimizer); a fault-tolerant replica runs the
+        closure (forward, backward), averages over the step's replicas and applies the step only if all succeeded."""
+        replica = self.per_step_replica
+        if replica is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = super().optimizer_step
+        return replica.optimizer_step(lambda ran: step(optimizer, ran, model, **kwargs), closure)
+
+    @property
+    def per_step_replica(self) -> FaultTolerantReplica | None:
+        """This launch's torchft replica where ``fault_tolerant=`` makes it one (bucketed_ddp, the FSDP2 family;
+        not DiLoCo's per-round workers), called from the hooks here: its data part, the first quorum, one quorum per
+        batch, the gated optimizer step, its checkpointed state, its shutdown. ``None`` (the default): no fault
+        tolerance, and those hooks are Lightning's and lightscale's alone."""
+        return None
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -372,6 +405,9 @@ class LightscaleStrategy(ProcessStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._batch_agreement is not None:
             self._batch_agreement.maybe_check(batch, device=self.root_device)
+        replica = self.per_step_replica
+        if replica is not None:
+            replica.begin(self.lightning_module.trainer, batch_idx)  # this batch's quorum
 
     # ---- registry and teardown -----------------------------------------------------------------------------
     @classmethod
@@ -382,6 +418,9 @@ class LightscaleStrategy(ProcessStrategy):
 
     @override
     def teardown(self) -> None:
+        replica = self.per_step_replica
+        if replica is not None:
+            replica.finish()
         self.checkpointer.wait()  # the last save of fit is published before fit returns
         lightning_module = self.lightning_module
         if lightning_module is not None:

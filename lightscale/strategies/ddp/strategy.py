@@ -19,7 +19,6 @@ from typing_extensions import override
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
 from lightscale.fault_tolerance.replica import (
-    FaultTolerantHooks,
     FaultTolerantReplica,
     replica_fault_tolerance,
 )
@@ -31,7 +30,7 @@ from lightscale.plugins.precision_contract import PrecisionRules, enforce_contra
 from lightscale.strategies.base import LightscaleStrategy
 
 
-class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
+class BucketedDDPStrategy(LightscaleStrategy):
     """Data parallel training with bucketed, backward-overlapped gradient all-reduce.
 
     Args:
@@ -108,6 +107,11 @@ class BucketedDDPStrategy(FaultTolerantHooks, LightscaleStrategy):
         self.find_unused_parameters = find_unused_parameters
         self.reducer: BucketedGradReducer | None = None
         self.ft = FaultTolerantReplica(ft) if ft is not None else None  # its settings: self.ft.settings
+
+    @property
+    @override
+    def per_step_replica(self) -> FaultTolerantReplica | None:
+        return self.ft  # with fault_tolerant=: this launch, one replica
 
     @override
     def configure_precision(self, plugin: Precision) -> Precision:

@@ -62,7 +62,7 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_info import init_arguments
 
 
-class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
+class FSDP2Strategy(LightscaleStrategy):
     """Fully sharded data parallelism with FSDP2: each unit (transformer block) one all-gather/reduce-scatter group.
 
     Args:
@@ -194,6 +194,11 @@ class FSDP2Strategy(fault_tolerant_step.FaultTolerantHooks, LightscaleStrategy):
         self.meta_init = meta_init
         self.compression = compression
         self._rng_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    @override
+    def per_step_replica(self) -> ShardedFaultTolerantReplica | None:
+        return self.ft  # with fault_tolerant=: this launch, one replica sharding over its own ranks
 
     # ---- layout -------------------------------------------------------------------------------------------
     @override
