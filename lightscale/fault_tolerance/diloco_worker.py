@@ -57,9 +57,14 @@ def fault_tolerant_outer_sync(
 ) -> FaultTolerantOuterSync:
     """The outer sync of this worker, through torchft's lighthouse; every round logged on rank 0."""
     return FaultTolerantOuterSync(
-        module.named_parameters(), sync_every=sync_every, settings=ft, mode=mode, outer_optimizer=outer_optimizer,
-        on_round=_log_round, group=dist.group.WORLD if world_size > 1 else None,
-    )  # fmt: skip
+        module.named_parameters(),
+        sync_every=sync_every,
+        settings=ft,
+        mode=mode,
+        outer_optimizer=outer_optimizer,
+        on_round=_log_round,
+        group=dist.group.WORLD if world_size > 1 else None,
+    )
 
 
 def join_first_quorum(
@@ -79,11 +84,12 @@ def join_first_quorum(
         loader, trainer.current_epoch, ft.sync.step * trainer.accumulate_grad_batches
     ):
         sampler = getattr(loader, "sampler", None)
-        rank_zero_warn(f"This worker healed to step {ft.sync.step} but its sampler ({type(sampler).__name__}) "
-                       f"has no resume_from(epoch, batches): it reads its data from where it started.")  # fmt: skip
+        rank_zero_warn(
+            f"This worker healed to step {ft.sync.step} but its sampler ({type(sampler).__name__}) "
+            f"has no resume_from(epoch, batches): it reads its data from where it started."
+        )
 
 
 def _log_round(record: RoundRecord, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
     outcome = "committed" if record.committed else "dropped (a worker of the round failed)"
-    rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, "
-                   f"{record.participants} worker(s)")  # fmt: skip
+    rank_zero_info(f"diloco-ft: round {record.round} at step {record.step}: {outcome}, {record.participants} worker(s)")

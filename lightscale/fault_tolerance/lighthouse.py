@@ -103,9 +103,19 @@ def lighthouse(
     if not command.exists():
         raise RuntimeError(f"{command} not found: the lighthouse needs torchft (pip install 'lightscale[ft]')")
     port = free_port()
-    args = [str(command), "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
-            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-            "--quorum_tick_ms", "100"]  # fmt: skip
+    args = [
+        str(command),
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--min_replicas",
+        str(min_replicas),
+        "--join_timeout_ms",
+        str(join_timeout_ms),
+        "--heartbeat_timeout_ms",
+        str(heartbeat_timeout_ms),
+        "--quorum_tick_ms",
+        "100",
+    ]
     server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_listening(server, port, time.monotonic() + start_timeout_s)

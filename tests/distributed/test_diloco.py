@@ -106,8 +106,9 @@ def _fit(
     strategy: Any, *, steps: int = STEPS, callbacks: tuple = (), ckpt_path: str | None = None, **kwargs: Any
 ) -> tuple[list[float], Net]:
     module, losses = Net(), Losses()
-    trainer = quiet_trainer(strategy, devices=dist.get_world_size(), max_steps=steps,
-                            callbacks=[losses, *callbacks], **kwargs)  # fmt: skip
+    trainer = quiet_trainer(
+        strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=[losses, *callbacks], **kwargs
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     return losses.steps, module
 
@@ -252,8 +253,10 @@ def _all_reduce_bytes(strategy: Any) -> list[int]:
 def _inner_objects() -> dict[str, Any]:
     """2 workers x 2 ranks; the outer sync sends int8 (an all-gather), so every all-reduce is the inner strategy's."""
     out = {}
-    for name, make in (("bf16", lambda: BucketedDDPStrategy(compression="bf16", bucket_cap_mb=1)),
-                       ("powersgd", lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=2))):  # fmt: skip
+    for name, make in (
+        ("bf16", lambda: BucketedDDPStrategy(compression="bf16", bucket_cap_mb=1)),
+        ("powersgd", lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=2)),
+    ):
         plain = _all_reduce_bytes(make())
         inside = _all_reduce_bytes(DiLoCoStrategy(workers=2, sync_every=3, compression="int8", inner=make()))
         out[name] = (plain, inside)
@@ -274,8 +277,15 @@ def test_a_worker_runs_the_inner_strategy_object_it_is_given() -> None:
 
 def _resume(tmp: str, inner: str, synchronous_steps: int) -> dict[str, Any]:
     def strategy() -> DiLoCoStrategy:
-        return DiLoCoStrategy(workers=2, inner=inner, sync_every=4, fragments=2, overlap_steps=1, compression="int8",
-                              synchronous_steps=synchronous_steps)  # fmt: skip
+        return DiLoCoStrategy(
+            workers=2,
+            inner=inner,
+            sync_every=4,
+            fragments=2,
+            overlap_steps=1,
+            compression="int8",
+            synchronous_steps=synchronous_steps,
+        )
 
     steps, whole = _fit(strategy(), steps=8)
     ckpt = str(Path(tmp) / "mid.ckpt")
@@ -285,8 +295,14 @@ def _resume(tmp: str, inner: str, synchronous_steps: int) -> dict[str, Any]:
     second, resumed = _fit(strategy(), steps=8, ckpt_path=ckpt)
     exported = read_model_state(ckpt, prefix="net.") if dist.get_rank() == 0 else None
     full, part = [_full(p) for p in whole.parameters()], [_full(p) for p in resumed.parameters()]
-    return {"steps": steps, "resumed": first + second, "whole": full, "part": part, "exported": exported,
-            "globals": globals_.values}  # fmt: skip
+    return {
+        "steps": steps,
+        "resumed": first + second,
+        "whole": full,
+        "part": part,
+        "exported": exported,
+        "globals": globals_.values,
+    }
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,12 @@ def _fit(strategy: DiLoCoStrategy, *, steps: int = STEPS, **kwargs: Any) -> dict
     trainer = quiet_trainer(strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=[record], **kwargs)
     trainer.fit(module)
     return {
-        "losses": record.losses, "meta": module.built_on_meta, "calls": [b.calls for b in module.sharding_units()],
-        "compiled": record.compiled, "globals": record.globals,
-    }  # fmt: skip
+        "losses": record.losses,
+        "meta": module.built_on_meta,
+        "calls": [b.calls for b in module.sharding_units()],
+        "compiled": record.compiled,
+        "globals": record.globals,
+    }
 
 
 def _inner_paths() -> dict[str, Any]:
@@ -142,11 +145,12 @@ class Snapshot(pl.Callback):
         optimizer = outer.fragments[0].optimizer
         momentum = [optimizer.state[g]["momentum_buffer"] for g in outer.fragments[0].globals]
         return {
-            "locals": [_full(p) for p in module.parameters()], "step": outer.step,
+            "locals": [_full(p) for p in module.parameters()],
+            "step": outer.step,
             "globals": [_full(t) for t in _global_parameters(trainer).values()],
             "momentum": [_full(like_param(outer.params[i], m)) for i, m in enumerate(momentum)],
             "rounds": None if trainer.strategy.ft is None else trainer.strategy.ft.rounds_committed,
-        }  # fmt: skip
+        }
 
     def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
         if trainer.global_step:  # resumed
@@ -160,8 +164,9 @@ def _reshape(tmp: str, inner: str) -> dict[str, Any]:
     def fit(workers: int, steps: int, callbacks: tuple = (), ckpt_path: str | None = None, **kwargs: Any) -> Any:
         strategy = DiLoCoStrategy(workers=workers, inner=inner, sync_every=2)  # type: ignore[arg-type]
         snapshot, record = Snapshot(), Record()
-        trainer = quiet_trainer(strategy, devices=4, max_steps=steps, callbacks=[snapshot, record, *callbacks],
-                                **kwargs)  # fmt: skip
+        trainer = quiet_trainer(
+            strategy, devices=4, max_steps=steps, callbacks=[snapshot, record, *callbacks], **kwargs
+        )
         trainer.fit(BlockNet(), ckpt_path=ckpt_path)
         return {**snapshot.states, "losses": record.losses}
 
@@ -219,10 +224,18 @@ def _ft_resume(tmp: str) -> dict[str, Any]:
             saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1)
             snapshot, record = Snapshot(), Record()
             trainer = lightscale.Trainer(
-                strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, resume="auto",
-                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                strategy=strategy,
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                logger=False,
+                resume="auto",
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+                num_sanity_val_steps=0,
                 callbacks=[saver, snapshot, record],
-            )  # fmt: skip
+            )
             trainer.fit(BlockNet())
             out[name] = {**snapshot.states, "losses": record.losses}
     finally:

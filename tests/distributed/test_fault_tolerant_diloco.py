@@ -58,9 +58,12 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
         )
 
     ft = FaultTolerantOuterSync(
-        model.named_parameters(), sync_every=SYNC_EVERY, replica_id=f"worker_{replica}", lighthouse_addr=lighthouse,
+        model.named_parameters(),
+        sync_every=SYNC_EVERY,
+        replica_id=f"worker_{replica}",
+        lighthouse_addr=lighthouse,
         on_round=on_round,
-    )  # fmt: skip
+    )
     write("start")
     while not Path(log_path).with_name("go").exists():  # the first round: all three (a restart never waits)
         time.sleep(0.02)
@@ -69,8 +72,13 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
         while ft.rounds_committed < _stop_at(log_path):
             heals, step = ft.heals, ft.before_inner_step()
             if step % SYNC_EVERY == 1:  # a round starts: the global parameters every worker of it holds
-                write("round_start", round=ft.rounds_committed, step=step - 1, healed=ft.heals > heals,
-                      params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())  # fmt: skip
+                write(
+                    "round_start",
+                    round=ft.rounds_committed,
+                    step=step - 1,
+                    healed=ft.heals > heals,
+                    params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+                )
             x = torch.randn(16, 6, generator=data)
             loss = (model(x).squeeze(-1) - x.sum(-1).sin()).pow(2).mean()
             loss.backward()
@@ -86,8 +94,15 @@ def _worker(replica: int, lighthouse: str, log_path: str, wait_for: str | None) 
 def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     port = free_port()
-    lighthouse_cmd = [sys.executable, "-m", "lightscale.fault_tolerance.lighthouse", "--min-replicas", "2",
-                      "--port", str(port)]  # fmt: skip
+    lighthouse_cmd = [
+        sys.executable,
+        "-m",
+        "lightscale.fault_tolerance.lighthouse",
+        "--min-replicas",
+        "2",
+        "--port",
+        str(port),
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S
     log = tmp_path / "events"
@@ -100,8 +115,14 @@ def _run_job(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
         return procs[-1]
 
     def committed(replica: int, pid: int, at_least: int) -> bool:
-        return any(e["event"] == "round" and e["replica"] == replica and e["pid"] == pid and e["committed"]
-                   and e["round"] >= at_least for e in read_events(log))  # fmt: skip
+        return any(
+            e["event"] == "round"
+            and e["replica"] == replica
+            and e["pid"] == pid
+            and e["committed"]
+            and e["round"] >= at_least
+            for e in read_events(log)
+        )
 
     try:
         procs.append(subprocess.Popen(lighthouse_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
@@ -168,10 +189,12 @@ def test_a_killed_worker_rejoins_and_every_mean_counts_each_live_worker_once(tmp
     assert all(len(by_round[n]) == 3 for n in later)  # counted again once back
     assert 2 in counts  # some rounds ran with the survivors only
     assert counts[0] == 3
-    print(f"participants per round: {counts}; rejoined at round {first_start['round']}, "
-          f"{times['restarted'] - times['killed']:.1f} s after the kill the survivors had committed alone; "
-          f"{times['rejoined'] - times['restarted']:.1f} s from restart to its first committed round; dropped rounds: "
-          f"{len({(e['round'], e['step']) for e in rounds if not e['committed']})}")  # fmt: skip
+    print(
+        f"participants per round: {counts}; rejoined at round {first_start['round']}, "
+        f"{times['restarted'] - times['killed']:.1f} s after the kill the survivors had committed alone; "
+        f"{times['rejoined'] - times['restarted']:.1f} s from restart to its first committed round; dropped rounds: "
+        f"{len({(e['round'], e['step']) for e in rounds if not e['committed']})}"
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,14 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
             outer = self.trainer.strategy.outer
             if outer.step % SYNC_EVERY == 0:  # a round's first step: every worker of it holds the global model
                 ft = self.trainer.strategy.ft
-                write("round_start", round=ft.rounds_committed, step=outer.step, heals=ft.heals,
-                      params=flat(self.parameters()), sample=int(index[0]))  # fmt: skip
+                write(
+                    "round_start",
+                    round=ft.rounds_committed,
+                    step=outer.step,
+                    heals=ft.heals,
+                    params=flat(self.parameters()),
+                    sample=int(index[0]),
+                )
             time.sleep(STEP_SLEEP_S)  # rounds long enough to be killed in the middle of one
             return F.mse_loss(self.net(x), y)
 
@@ -86,8 +92,12 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
 
         def on_fit_start(self, trainer: pl.Trainer, module: Any) -> None:
             def on_round(record: Any, payload: torch.Tensor, mean: torch.Tensor | None) -> None:
-                write("round", **record.__dict__, payload=payload.tolist(),
-                      applied=None if mean is None else mean.tolist())  # fmt: skip
+                write(
+                    "round",
+                    **record.__dict__,
+                    payload=payload.tolist(),
+                    applied=None if mean is None else mean.tolist(),
+                )
 
             trainer.strategy.ft.on_round = on_round
             write("start")
@@ -100,16 +110,35 @@ def _worker(replica: int, workers: int, ranks: int, lighthouse: str, log_path: s
                 trainer.should_stop = True
 
         def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
-            write("done", step=trainer.strategy.outer.step,
-                  globals=flat(t for _, t in trainer.strategy.outer.named_globals()))  # fmt: skip
+            write(
+                "done",
+                step=trainer.strategy.outer.step,
+                globals=flat(t for _, t in trainer.strategy.outer.named_globals()),
+            )
 
-    ft = FaultTolerance(replica_id=f"worker_{replica}", lighthouse=lighthouse, timeout_s=TIMEOUT_S,
-                        min_replicas=workers - 1, data_shards=workers)  # fmt: skip
-    strategy = DiLoCoStrategy(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                              fault_tolerant=ft)  # fmt: skip
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=ranks, max_steps=10**6, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[Events()], limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    ft = FaultTolerance(
+        replica_id=f"worker_{replica}",
+        lighthouse=lighthouse,
+        timeout_s=TIMEOUT_S,
+        min_replicas=workers - 1,
+        data_shards=workers,
+    )
+    strategy = DiLoCoStrategy(
+        sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, fault_tolerant=ft
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=ranks,
+        max_steps=10**6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Events()],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(Net())
 
 
@@ -118,8 +147,15 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
     freeze worker FROZEN mid-round; stop the live ones a few rounds later."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, TEST_PATHS))}
     killed, port = workers - 1, free_port()
-    lighthouse_cmd = [sys.executable, "-m", "lightscale.fault_tolerance.lighthouse", "--min-replicas",
-                      str(workers - 1), "--port", str(port)]  # fmt: skip
+    lighthouse_cmd = [
+        sys.executable,
+        "-m",
+        "lightscale.fault_tolerance.lighthouse",
+        "--min-replicas",
+        str(workers - 1),
+        "--port",
+        str(port),
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + DEADLINE_S
     log = tmp_path / "events"
@@ -127,8 +163,16 @@ def _run_job(tmp_path: Path, workers: int, ranks: int) -> tuple[list[dict[str, A
 
     def start(replica: int, *wait_for: str) -> subprocess.Popen[bytes]:
         out = open(tmp_path / f"worker{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
-        cmd = [sys.executable, __file__, str(replica), str(workers), str(ranks), f"http://127.0.0.1:{port}", str(log),
-               *wait_for]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            str(replica),
+            str(workers),
+            str(ranks),
+            f"http://127.0.0.1:{port}",
+            str(log),
+            *wait_for,
+        ]
         worker_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         # A session of its own: the signals reach every rank of the worker (Lightning's launcher starts rank 1).
         procs.append(
@@ -226,8 +270,9 @@ def test_workers_drop_out_and_rejoin_without_stopping_the_others(tmp_path: Path,
             assert len({e["replica"] for e in members}) == len(members)
             expected = torch.tensor([e["payload"] for e in members], dtype=torch.float64).mean(0)
             for e in members:  # the applied mean is the mean of exactly these workers' pseudo-gradients
-                torch.testing.assert_close(torch.tensor(e["applied"], dtype=torch.float64), expected,
-                                           rtol=1e-6, atol=1e-7)  # fmt: skip
+                torch.testing.assert_close(
+                    torch.tensor(e["applied"], dtype=torch.float64), expected, rtol=1e-6, atol=1e-7
+                )
         # The final global model equals a replay of the outer step over the recorded participation.
         start = next(e["params"] for e in events if e["event"] == "round_start" and e["round"] == 0)
         replayed = _replay(start, [[e["payload"] for e in by_round[n]] for n in range(rounds_run)])

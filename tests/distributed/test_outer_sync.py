@@ -67,8 +67,12 @@ def _h1_vs_data_parallel(steps: int) -> tuple[list[float], list[float]]:
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    sync = OuterSync(model.named_parameters(), sync_every=1, group=outer[rank % 2],
-                     outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    sync = OuterSync(
+        model.named_parameters(),
+        sync_every=1,
+        group=outer[rank % 2],
+        outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+    )
     losses = []
     for step in range(1, steps + 1):
         losses.append(_mean_over(_inner_step(model, opt, step, inner[rank // 2])))

@@ -77,8 +77,11 @@ class SidecarDDP(BucketedDDPStrategy):  # a user's strategy that writes a file b
 def test_async_save_is_refused_where_the_strategy_overrides_save_checkpoint() -> None:
     # The background writer publishes the directory after the override wrote its sidecar into it: async_save cannot
     # honour it, so it is refused before work starts, naming the override and where the state goes instead.
-    with pytest.raises(ConfigurationError, match=r"async_save=True is not supported with SidecarDDP\.save_checkpoint.*"
-                       r"named Stateful objects.*`checkpoint_states`.*async_save=False"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"async_save=True is not supported with SidecarDDP\.save_checkpoint.*"
+        r"named Stateful objects.*`checkpoint_states`.*async_save=False",
+    ):
         SidecarDDP(async_save=True)
     assert SidecarDDP().checkpointer.writer is None  # synchronous saving is the user's own
     assert TaggedDDP(async_save=True).checkpointer.writer is not None  # state handed over keeps async_save

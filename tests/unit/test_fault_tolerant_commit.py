@@ -207,9 +207,18 @@ def _fit_in_this_process(
     )
     strategy.ft = FaultTolerantReplica(SETTINGS, manager=manager)  # the fake in place of torchft's
     metrics, states = Metrics(), States()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=metrics,
-                         callbacks=[states], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=metrics,
+        callbacks=[states],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     refused = None
     try:
         trainer.fit(module)
@@ -262,8 +271,17 @@ def _assert_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None
 def test_the_fake_calls_torchft_managers_methods_as_they_are() -> None:
     from torchft.manager import Manager
 
-    for name in ("start_quorum", "num_participants", "allreduce", "should_commit", "current_step", "shutdown",
-                 "load_state_dict", "report_error", "errored"):  # fmt: skip
+    for name in (
+        "start_quorum",
+        "num_participants",
+        "allreduce",
+        "should_commit",
+        "current_step",
+        "shutdown",
+        "load_state_dict",
+        "report_error",
+        "errored",
+    ):
         real, fake = inspect.signature(getattr(Manager, name)), inspect.signature(getattr(FakeManager, name))
         assert list(real.parameters) == list(fake.parameters), name
         assert [p.default for p in real.parameters.values()] == [p.default for p in fake.parameters.values()], name

@@ -75,9 +75,18 @@ def _fit(root: str, heal: bool, max_steps: int, ckpt_path: str | None) -> dict[s
     strategy.ft = FaultTolerantReplica(SETTINGS, manager=manager)
     manager.replica = strategy.ft if heal else None
     every = ModelCheckpoint(dirpath=root, every_n_train_steps=SAVED_AT, save_top_k=-1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-                         callbacks=[every], enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, default_root_dir=root)  # fmt: skip
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        callbacks=[every],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     model = IndexedRegression()
     trainer.fit(model, ckpt_path=ckpt_path)
     return {"read": model.read, "heals": strategy.ft.heals}

@@ -56,11 +56,20 @@ def test_fsdp2_custom_comm_hooks_keep_their_signatures() -> None:  # lightscale/
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     assert list(inspect.signature(AllGather.__call__).parameters) == [
-        "self", "output_tensor", "input_tensor", "group", "async_op"
-    ]  # fmt: skip
+        "self",
+        "output_tensor",
+        "input_tensor",
+        "group",
+        "async_op",
+    ]
     assert list(inspect.signature(ReduceScatter.__call__).parameters) == [
-        "self", "output_tensor", "input_tensor", "group", "op", "async_op"
-    ]  # fmt: skip
+        "self",
+        "output_tensor",
+        "input_tensor",
+        "group",
+        "op",
+        "async_op",
+    ]
     assert list(inspect.signature(AllGather.allocate).parameters) == ["self", "size", "dtype", "device"]
     assert callable(FSDPModule.set_custom_all_gather) and callable(FSDPModule.set_custom_reduce_scatter)
 
@@ -262,11 +271,14 @@ def _writes(tree: ast.Module) -> list[tuple[int, str]]:
         for target in node.targets
         if isinstance(target, ast.Attribute) and ast.unparse(_root(target)) != "self"
     }
-    found = [(node.lineno, f"{attribute} = lambda (a shadowed method)") for node in ast.walk(tree)
-             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)
-             for target in node.targets
-             if isinstance(target, ast.Attribute) and ast.unparse(_root(target)) != "self"
-             for attribute in [ast.unparse(target)]]  # fmt: skip
+    found = [
+        (node.lineno, f"{attribute} = lambda (a shadowed method)")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and ast.unparse(_root(target)) != "self"
+        for attribute in [ast.unparse(target)]
+    ]
     for node in ast.walk(tree):
         targets = []
         if isinstance(node, ast.Assign):

@@ -60,8 +60,10 @@ def check_outer_sync(
         raise ConfigurationError("OuterSync got no parameters; pass model.named_parameters() of a model that has some.")
     check_outer_settings(mode, compression)
     if mode == "local_sgd" and outer_optimizer is not None:
-        raise ConfigurationError("mode='local_sgd' averages parameters and has no outer optimizer; "
-                                 "drop outer_optimizer or use mode='diloco'.")  # fmt: skip
+        raise ConfigurationError(
+            "mode='local_sgd' averages parameters and has no outer optimizer; "
+            "drop outer_optimizer or use mode='diloco'."
+        )
 
 
 def check_outer_settings(mode: str, compression: str) -> None:
@@ -113,5 +115,6 @@ def check_saved_settings(saved: dict[str, Any], current: dict[str, Any]) -> None
     changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
     if changed:
         described = ", ".join(f"{key}: saved {old!r}, now {new!r}" for key, (old, new) in changed.items())
-        raise ConfigurationError(f"The OuterSync state was saved with other settings ({described}); resume with "
-                                 f"the saved settings.")  # fmt: skip
+        raise ConfigurationError(
+            f"The OuterSync state was saved with other settings ({described}); resume with the saved settings."
+        )

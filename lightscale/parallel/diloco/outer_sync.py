@@ -267,8 +267,9 @@ class OuterSync:
         Collectives in flight are waited on (their means are saved), so a run resumed from this state applies
         them at the same step as the uninterrupted run does.
         """
-        pending = [{"fragment": p.fragment, "apply_at": p.apply_at, "mean": self._resolve(p).clone()}
-                   for p in self._pending]  # fmt: skip
+        pending = [
+            {"fragment": p.fragment, "apply_at": p.apply_at, "mean": self._resolve(p).clone()} for p in self._pending
+        ]
         return {
             "settings": self._settings(),
             "step": self.step,
@@ -297,8 +298,13 @@ class OuterSync:
 
     def _settings(self) -> dict[str, Any]:
         schedule = self.schedule
-        settings = dict(mode=self.mode, compression=self.compression, sync_every=schedule.sync_every,
-                        fragments=schedule.fragments, overlap_steps=schedule.overlap_steps)  # fmt: skip
+        settings = dict(
+            mode=self.mode,
+            compression=self.compression,
+            sync_every=schedule.sync_every,
+            fragments=schedule.fragments,
+            overlap_steps=schedule.overlap_steps,
+        )
         # Only when set, so that states saved before the setting existed still load; a run saved without it
         # cannot turn synchronous later (its workers have already parted).
         return settings | ({"synchronous_steps": self.synchronous_steps} if self.synchronous_steps else {})
