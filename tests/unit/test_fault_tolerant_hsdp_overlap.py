@@ -70,3 +70,15 @@ def test_accumulation_micro_steps_launch_nothing() -> None:
 def test_a_scalar_parameter_is_averaged_once_backward_ran() -> None:
     fit = _fit(WithScalar(), steps=2)
     assert fit["reduced"] == ([(size, True) for size in _group_sizes()] + [(1, False)]) * 2
+
+
+def test_fsdp2s_hook_is_the_one_this_replica_registers() -> None:
+    """The upstream seam, pinned: ``set_all_reduce_hook(hook, *, stream=None)``, the hook called with one tensor."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+
+    parameters = inspect.signature(FSDPModule.set_all_reduce_hook).parameters
+    assert (
+        list(parameters) == ["self", "hook", "stream"] and parameters["stream"].kind is inspect.Parameter.KEYWORD_ONLY
+    )
