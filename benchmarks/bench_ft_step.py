@@ -1,4 +1,5 @@
-"""Per-step fault tolerance (``BucketedDDPStrategy(fault_tolerant=...)``) ÷ plain bucketed_ddp, and what a fault costs.
+"""Per-step fault tolerance (``BucketedDDPStrategy(fault_tolerant=...)``) ÷ plain bucketed_ddp, and what a fault costs;
+``--strategy hsdp``: ``FSDP2Strategy(fault_tolerant=...)`` ÷ plain hsdp, in the same launch shapes.
 
 Every side trains the GPT recipe's model (its ``tiny_ddp.yaml`` sizes, or ``--config``'s) on 2 CPU data-parallel
 ranks through ``lightscale.Trainer``: 2 fault-tolerant replicas of 1 rank (``ft``: two launches and a lighthouse);
@@ -11,8 +12,14 @@ with SIGKILL and a replacement (started beforehand, waiting) is released once th
 alone; printed: seconds from the kill to the survivor's next committed step, from the release to the replacement's
 first step, and the steps lost (dropped) by the survivor.
 
+With ``--strategy hsdp`` the sides are the FSDP2 family's: 2 fault-tolerant replicas of 1 rank each
+(``FSDP2Strategy(fault_tolerant=..., dp_replicate=1)``, each FSDP2 group's average across replicas started inside
+backward) against the ``hsdp`` name's defaults (``dp_replicate=2``: 2 replicas x 1 shard) as two launches of 1 rank
+and as one launch of 2 ranks.
+
     python benchmarks/bench_ft_step.py [--repeats 2] [--steps 30] [--config small_ddp --no-fault]
     python benchmarks/bench_ft_step.py --config tiny_ddp,n_layer=4,n_embd=192 --no-fault
+    python benchmarks/bench_ft_step.py --strategy hsdp --config tiny_ddp,n_embd=128 --no-fault
 """
 
 from __future__ import annotations
@@ -48,14 +55,14 @@ def _recipe(config: str) -> tuple[dict[str, int], dict[str, int]]:
     return model, {"block_size": data["block_size"], "batch_size": data["batch_size"]}
 
 
-def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: str) -> None:
-    """One launch: ``plain`` (bucketed_ddp, 2 ranks), ``nodes`` (bucketed_ddp, node ``replica`` of 2, 1 rank each) or
-    a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
+def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: str, family: str) -> None:
+    """One launch of ``family`` (bucketed_ddp or hsdp): ``plain`` (2 ranks), ``nodes`` (node ``replica`` of 2, 1 rank
+    each) or a fault-tolerant replica (``ft``, ``fault``, ``spare``)."""
     import lightning.pytorch as pl
 
     import lightscale
     from lightscale.recipes.gpt import GPTConfig, GPTDataModule, GPTModule
-    from lightscale.strategies import BucketedDDPStrategy
+    from lightscale.strategies import BucketedDDPStrategy, FSDP2Strategy
 
     flags = Path(out)
     log = open(flags / f"{mode}.{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
@@ -74,11 +81,14 @@ def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: s
         time.sleep(0.02)
     pl.seed_everything(0, verbose=False)
     if mode in ("plain", "nodes"):
-        strategy = BucketedDDPStrategy()
+        strategy = BucketedDDPStrategy() if family == "bucketed_ddp" else FSDP2Strategy(dp_replicate=2, dp_shard=-1)
     else:
         ft = lightscale.FaultTolerance(replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}",
                                        min_replicas=1 if mode != "ft" else 2, data_shards=2, timeout_s=5)  # fmt: skip
-        strategy = BucketedDDPStrategy(fault_tolerant=ft)
+        if family == "bucketed_ddp":
+            strategy = BucketedDDPStrategy(fault_tolerant=ft)
+        else:  # each launch one replica sharding over its own rank: hsdp's replicate dimension is torchft's
+            strategy = FSDP2Strategy(fault_tolerant=ft, dp_replicate=1)
     trainer = lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2 if mode == "plain" else 1,
                                  num_nodes=2 if mode == "nodes" else 1, max_steps=steps, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -103,7 +113,7 @@ def _records(out: Path, mode: str) -> dict[int, list[dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def _job(min_replicas: int, config: str = "tiny_ddp") -> Any:
+def _job(min_replicas: int, config: str = "tiny_ddp", family: str = "bucketed_ddp") -> Any:
     """A lighthouse, a scratch directory and ``start(mode, replica, steps)``; every process ends with the block."""
     from lightscale.fault_tolerance.lighthouse import start_lighthouse
 
@@ -115,7 +125,7 @@ def _job(min_replicas: int, config: str = "tiny_ddp") -> Any:
         def start(mode: str, replica: int, steps: int, **extra: str) -> subprocess.Popen[bytes]:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
                    **extra}  # fmt: skip
-            cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps), config]
+            cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps), config, family]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))  # fmt: skip
             return procs[-1]
@@ -130,8 +140,8 @@ def _job(min_replicas: int, config: str = "tiny_ddp") -> Any:
             server.shutdown()
 
 
-def _median_step(mode: str, steps: int, config: str) -> float:
-    with _job(min_replicas=2, config=config) as (start, out):
+def _median_step(mode: str, steps: int, config: str, family: str) -> float:
+    with _job(min_replicas=2, config=config, family=family) as (start, out):
         if mode == "plain":
             procs = [start("plain", 0, steps)]
         elif mode == "nodes":  # one process group over two launches: node k's rank is k
@@ -154,8 +164,8 @@ def _wait(predicate: Any, what: str, timeout: float = 300) -> None:
         time.sleep(0.01)
 
 
-def _fault() -> dict[str, float]:
-    with _job(min_replicas=1) as (start, out):
+def _fault(family: str) -> dict[str, float]:
+    with _job(min_replicas=1, family=family) as (start, out):
         survivor, victim = start("fault", 0, FAULT_STEPS), start("fault", 1, FAULT_STEPS)
         spare = start("spare", 1, FAULT_STEPS)
         steps = lambda pid: _records(out, "fault").get(pid, [])  # noqa: E731
@@ -186,18 +196,20 @@ def main() -> None:
                         help="the GPT recipe's model and batch (small_ddp: 6 layers), then model changes: "
                         "tiny_ddp,n_layer=4,n_embd=192")  # fmt: skip
     parser.add_argument("--no-fault", action="store_true", help="step times only")
+    parser.add_argument("--strategy", choices=("bucketed_ddp", "hsdp"), default="bucketed_ddp", help="the family")
     args = parser.parse_args()
     modes = ("ft", "nodes", "plain")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
-    print(f"the GPT recipe's model {args.config}; load average at the start: {os.getloadavg()}")
+    family = args.strategy
+    print(f"{family}, the GPT recipe's model {args.config}; load average at the start: {os.getloadavg()}")
     for i in range(args.repeats):
         for mode in modes if i % 2 == 0 else modes[::-1]:
-            times[mode].append(_median_step(mode, WARMUP + args.steps, args.config))
+            times[mode].append(_median_step(mode, WARMUP + args.steps, args.config, family))
     print(f"load average after the step times: {os.getloadavg()}")
     median = {mode: statistics.median(times[mode]) for mode in modes}
     print(
-        f"median step: fault_tolerant {median['ft'] * 1e3:.1f} ms; bucketed_ddp two launches of 1 rank "
-        f"{median['nodes'] * 1e3:.1f} ms (ratio {median['ft'] / median['nodes']:.3f}, like for like); bucketed_ddp "
+        f"median step: fault_tolerant {median['ft'] * 1e3:.1f} ms; {family} two launches of 1 rank "
+        f"{median['nodes'] * 1e3:.1f} ms (ratio {median['ft'] / median['nodes']:.3f}, like for like); {family} "
         f"one launch of 2 ranks {median['plain'] * 1e3:.1f} ms (ratio {median['ft'] / median['plain']:.3f})"
     )
     print("  per repeat (ms):", {mode: [round(t * 1e3, 1) for t in times[mode]] for mode in modes})
@@ -205,11 +217,12 @@ def main() -> None:
     print(f"  fault_tolerant / two launches, per repeat: {[round(r, 3) for r in pairs]}, median "
           f"{statistics.median(pairs):.3f}")  # fmt: skip
     if not args.no_fault:
-        print("fault:", json.dumps({k: round(v, 2) for k, v in _fault().items()}))
+        print("fault:", json.dumps({k: round(v, 2) for k, v in _fault(family).items()}))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
-        _replica(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+        mode, replica, out, port, steps, config, family = sys.argv[1:8]
+        _replica(mode, int(replica), out, int(port), int(steps), config, family)
     else:
         main()

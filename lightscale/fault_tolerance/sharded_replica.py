@@ -1,18 +1,25 @@
 """What ``FSDP2Strategy(fault_tolerant=...)`` adds (hsdp through torchft): each launch is one replica that shards
 inside (plain FSDP2 over its own ranks); the replicate dimension across launches is torchft's, managed per step.
 
-After FSDP2's reduce-scatter inside the replica, rank ``r`` averages its local gradient shards with rank ``r`` of
-the other replicas of the step (lightscale/fault_tolerance/step.py); ``should_commit`` gates the optimizer
-step. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local tensors and
-is wrapped back into DTensors like this replica's own parameters on load.
+Inside backward, as FSDP2's reduce-scatter of each group is in (its ``set_all_reduce_hook``), rank ``r`` starts
+averaging that group's gradient shard with rank ``r`` of the other replicas of the step
+(lightscale/fault_tolerance/step.py), while backward goes on; all are waited on before ``should_commit`` gates the
+optimizer step. The 0-dimensional parameters FSDP2 leaves out (lightscale/parallel/scalar_params.py) are averaged
+once backward ran. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local
+tensors and is wrapped back into DTensors like this replica's own parameters on load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import torch
+from lightning.pytorch import Trainer
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lightscale.errors import ConfigurationError
 from lightscale.fault_tolerance.replica import FaultTolerantReplica
@@ -50,12 +57,44 @@ def like(value: Any, template: Any) -> Any:
 
 
 class ShardedFaultTolerantReplica(FaultTolerantReplica):
-    """A replica whose ranks hold DTensor shards: they travel as this rank's local shards, and its gradient shards
-    are averaged across replicas once backward ran (FSDP2's reduce-scatter done)."""
+    """A replica whose ranks hold DTensor shards: they travel as this rank's local shards, and each FSDP2 group's
+    gradient shard starts its average across replicas inside backward, once that group's reduce-scatter is in."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.launched: list[Any] = []  # this step's works started inside backward, waited on before the commit
+        self.hooked: set[nn.Parameter] = set()  # averaged by the hooks (the rest once backward ran)
+
+    @override
+    def join(self, trainer: Trainer, loader: object) -> None:
+        self.hooked = set()
+        for module in trainer.lightning_module.modules():
+            if isinstance(module, FSDPModule):
+                params = _group_parameters(module)
+                module.set_all_reduce_hook(lambda output, params=params: self._launch_group(output, params))
+                self.hooked.update(params)
+        super().join(trainer, loader)
+
+    def _launch_group(self, output: Tensor, params: list[nn.Parameter]) -> None:
+        """FSDP2's hook: ``output`` is the group's reduce-scattered flat shard, which its gradients view from here on
+        (a micro-step under ``no_gradient_sync`` reduces nothing, so calls nothing). Where FSDP2 reads ``output``
+        again in this call (a cast to another dtype, a copy to the CPU, a sum into gradients kept from an earlier
+        backward, a division after the reduction), the average is waited on here, before it does."""
+        work = self.launch(output)
+        if _viewed_in_place(output, params):
+            self.launched.append(work)
+        else:
+            work.wait()
+
+    @override
     def gradients_after_backward(self) -> list[Tensor]:
+        """The averages the hooks started, waited on; then what no hook covered (the 0-dimensional parameters)."""
+        launched, self.launched = self.launched, []
+        for work in launched:
+            work.wait()
         assert self.trainer is not None
-        return local_gradient_shards(self.trainer.lightning_module)
+        params = (p for p in self.trainer.lightning_module.parameters() if p not in self.hooked)
+        return local_gradient_shards(params)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -91,8 +130,25 @@ def _rewrapped(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:
     return {**saved, "state": states}
 
 
-def local_gradient_shards(module: nn.Module) -> list[Tensor]:
-    """This rank's gradient shards after FSDP2's reduce-scatter (empty shards left out: the same on rank ``r`` of
-    every replica, since every replica shards alike)."""
-    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
+def local_gradient_shards(params: Iterable[nn.Parameter]) -> list[Tensor]:
+    """This rank's gradient shards of ``params`` after FSDP2's reduce-scatter (empty shards left out: the same on
+    rank ``r`` of every replica, since every replica shards alike)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
     return [grad for grad in grads if grad.numel() > 0]
+
+
+def _group_parameters(module: FSDPModule) -> list[nn.Parameter]:
+    """The parameters of ``module``'s own FSDP2 group: its own, less those of FSDP modules inside it (their groups)
+    and the 0-dimensional ones FSDP2 leaves out (plain tensors, not DTensors)."""
+    inner = {p for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in module.parameters() if p not in inner and isinstance(p, DTensor)]
+
+
+def _viewed_in_place(output: Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether FSDP2 (torch 2.13 ``foreach_reduce``) only views ``output`` as the new gradients after the hook: the
+    parameters' dtype and device, no gradients to sum into, and a reduction FSDP2 does not divide afterwards (it
+    divides after the fp32/bf16 reductions only under ``set_force_sum_reduction_for_comms``, which FSDP2Strategy
+    never sets; lightscale sets it on MoE experts only, parallel/experts.py, not sharded by this family)."""
+    return output.dtype in (torch.float32, torch.bfloat16) and all(
+        p.grad is None and p.dtype == output.dtype and p.device == output.device for p in params
+    )

@@ -4,10 +4,11 @@ Two families run it: ``bucketed_ddp`` and the FSDP2 family (``hsdp`` across laun
 one or more ranks) first averages its gradients over its own ranks: ``bucketed_ddp``'s bucketed reducer, or FSDP2's
 reduce-scatter (lightscale/fault_tolerance/sharded_replica.py). Then rank ``r`` of every replica in this step's quorum
 averages the same tensors with rank ``r`` of the others through torchft (sum over the quorum, divided by its size):
-``bucketed_ddp``'s buckets each as soon as its own average is in, while backward goes on (:meth:`launch`), FSDP2's
-local gradient shards once backward ran (:meth:`average`). ``should_commit`` gates the optimizer step: when a
-replica of the step failed, no survivor applies it. A replica that (re)joins behind the others loads a live peer's
-state inside :meth:`FaultTolerantStep.begin` (torchft's synchronous quorum), so it trains that step like them.
+``bucketed_ddp``'s buckets and FSDP2's groups each as soon as its own average is in, while backward goes on
+(:meth:`launch`; what is left once backward ran, FSDP2's 0-dimensional parameters, through :meth:`average`).
+``should_commit`` gates the optimizer step: when a replica of the step failed, no survivor applies it. A replica that
+(re)joins behind the others loads a live peer's state inside :meth:`FaultTolerantStep.begin` (torchft's synchronous
+quorum), so it trains that step like them.
 
 Example (each rank of each replica; ``TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510``):
     >>> step = FaultTolerantStep(FaultTolerance(replica_id="replica_0"), state_dict=..., load_state_dict=...)
