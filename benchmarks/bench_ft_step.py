@@ -73,8 +73,13 @@ def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: s
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             ft = getattr(trainer.strategy, "ft", None)
-            record = {"t": time.monotonic(), "step": trainer.global_step, "s": time.perf_counter() - self.start,
-                      "replicas": ft.step.participants if ft else 2, "dropped": ft.dropped if ft else 0}  # fmt: skip
+            record = {
+                "t": time.monotonic(),
+                "step": trainer.global_step,
+                "s": time.perf_counter() - self.start,
+                "replicas": ft.step.participants if ft else 2,
+                "dropped": ft.dropped if ft else 0,
+            }
             log.write(json.dumps(record) + "\n")
 
     while mode == "spare" and not (flags / "release").exists():  # started early: the rejoin is timed, not imports
@@ -83,16 +88,30 @@ def _replica(mode: str, replica: int, out: str, port: int, steps: int, config: s
     if mode in ("plain", "nodes"):
         strategy = BucketedDDPStrategy() if family == "bucketed_ddp" else FSDP2Strategy(dp_replicate=2, dp_shard=-1)
     else:
-        ft = lightscale.FaultTolerance(replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}",
-                                       min_replicas=1 if mode != "ft" else 2, data_shards=2, timeout_s=5)  # fmt: skip
+        ft = lightscale.FaultTolerance(
+            replica_id=f"replica_{replica}",
+            lighthouse=f"http://127.0.0.1:{port}",
+            min_replicas=1 if mode != "ft" else 2,
+            data_shards=2,
+            timeout_s=5,
+        )
         if family == "bucketed_ddp":
             strategy = BucketedDDPStrategy(fault_tolerant=ft)
         else:  # each launch one replica sharding over its own rank: hsdp's replicate dimension is torchft's
             strategy = FSDP2Strategy(fault_tolerant=ft, dp_replicate=1)
-    trainer = lightscale.Trainer(strategy=strategy, accelerator="cpu", devices=2 if mode == "plain" else 1,
-                                 num_nodes=2 if mode == "nodes" else 1, max_steps=steps, logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 limit_val_batches=0, callbacks=[Steps()])  # fmt: skip
+    trainer = lightscale.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2 if mode == "plain" else 1,
+        num_nodes=2 if mode == "nodes" else 1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Steps()],
+    )
     model, data = _recipe(config)
     trainer.fit(GPTModule(GPTConfig(**model)), GPTDataModule(**data))
 
@@ -123,11 +142,19 @@ def _job(min_replicas: int, config: str = "tiny_ddp", family: str = "bucketed_dd
     with tempfile.TemporaryDirectory() as out:
 
         def start(mode: str, replica: int, steps: int, **extra: str) -> subprocess.Popen[bytes]:
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
-                   **extra}  # fmt: skip
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_port()),
+                **extra,
+            }
             cmd = [sys.executable, __file__, mode, str(replica), out, str(port), str(steps), config, family]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+                )
+            )
             return procs[-1]
 
         try:
@@ -192,9 +219,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--config", default="tiny_ddp",
-                        help="the GPT recipe's model and batch (small_ddp: 6 layers), then model changes: "
-                        "tiny_ddp,n_layer=4,n_embd=192")  # fmt: skip
+    parser.add_argument(
+        "--config",
+        default="tiny_ddp",
+        help="the GPT recipe's model and batch (small_ddp: 6 layers), then model changes: "
+        "tiny_ddp,n_layer=4,n_embd=192",
+    )
     parser.add_argument("--no-fault", action="store_true", help="step times only")
     parser.add_argument("--strategy", choices=("bucketed_ddp", "hsdp"), default="bucketed_ddp", help="the family")
     args = parser.parse_args()
@@ -214,8 +244,10 @@ def main() -> None:
     )
     print("  per repeat (ms):", {mode: [round(t * 1e3, 1) for t in times[mode]] for mode in modes})
     pairs = [ft / nodes for ft, nodes in zip(times["ft"], times["nodes"], strict=True)]  # adjacent runs: same load
-    print(f"  fault_tolerant / two launches, per repeat: {[round(r, 3) for r in pairs]}, median "
-          f"{statistics.median(pairs):.3f}")  # fmt: skip
+    print(
+        f"  fault_tolerant / two launches, per repeat: {[round(r, 3) for r in pairs]}, median "
+        f"{statistics.median(pairs):.3f}"
+    )
     if not args.no_fault:
         print("fault:", json.dumps({k: round(v, 2) for k, v in _fault(family).items()}))
 

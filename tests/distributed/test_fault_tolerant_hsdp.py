@@ -140,16 +140,28 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
             write("done", step=trainer.global_step, shard=shard.tolist(), params=full.tolist(), committed=committed)
 
     ft = lightscale.FaultTolerance(
-        replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}", data_shards=2,
-        min_replicas=1, timeout_s=5, quorum_timeout_s=30,
-    )  # fmt: skip
+        replica_id=f"replica_{replica}",
+        lighthouse=f"http://127.0.0.1:{port}",
+        data_shards=2,
+        min_replicas=1,
+        timeout_s=5,
+        quorum_timeout_s=30,
+    )
     logger = CSVLogger(flags / f"logs{launch}", name="", version="")  # ft/replicas, rank 0
     save = ModelCheckpoint(dirpath=flags / f"checkpoints{replica}", every_n_train_steps=SAVE_AT[replica])
-    trainer = lightscale.Trainer(strategy=FSDP2Strategy(fault_tolerant=ft, meta_init=False), accelerator="cpu",
-                                 devices=RANKS, max_steps=MAX_STEPS + RESUMED_STEPS * (mode == "resume"),
-                                 logger=logger, enable_progress_bar=False, enable_model_summary=False,
-                                 callbacks=[Events(), RunSummary(), save], limit_val_batches=0, log_every_n_steps=1,
-                                 resume="auto")  # fmt: skip
+    trainer = lightscale.Trainer(
+        strategy=FSDP2Strategy(fault_tolerant=ft, meta_init=False),
+        accelerator="cpu",
+        devices=RANKS,
+        max_steps=MAX_STEPS + RESUMED_STEPS * (mode == "resume"),
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Events(), RunSummary(), save],
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        resume="auto",
+    )
     trainer.fit(Traced())
 
 
@@ -166,8 +178,10 @@ def _replay(parts_of_step: dict[int, tuple[int, ...]], steps: int = MAX_STEPS) -
     x, y = _data()
     optimizer, scheduler = _optimizer(net.parameters())
     world = 2 * RANKS
-    shards = [list(ExactlyOnceSampler(range(SAMPLES), batch_size=BATCH, num_replicas=world, rank=k, shuffle=True))
-              for k in range(world)]  # fmt: skip
+    shards = [
+        list(ExactlyOnceSampler(range(SAMPLES), batch_size=BATCH, num_replicas=world, rank=k, shuffle=True))
+        for k in range(world)
+    ]
     for step in range(1, steps + 1):
         optimizer.zero_grad()
         parts = parts_of_step.get(step, ())
@@ -316,9 +330,11 @@ def test_a_killed_hsdp_replica_heals_rank_by_rank_and_the_lost_job_resumes_from_
     continued = _replay(parts | dict.fromkeys(more, (0, 1)), MAX_STEPS + RESUMED_STEPS)
     torch.testing.assert_close(torch.tensor(resumed[0]["params"]), continued, rtol=1e-6, atol=1e-6)
     resumed_margin = (torch.tensor(resumed[0]["params"]) - continued).abs().max()
-    print(f"margin {(end - replayed).abs().max():.1e}, resumed {resumed_margin:.1e}; survivor alone "
-          f"{alone_at - killed_at:.1f} s after the kill; the replacement's first step {rejoined_at - alone_at:.1f} s "
-          f"after its release")  # fmt: skip
+    print(
+        f"margin {(end - replayed).abs().max():.1e}, resumed {resumed_margin:.1e}; survivor alone "
+        f"{alone_at - killed_at:.1f} s after the kill; the replacement's first step {rejoined_at - alone_at:.1f} s "
+        f"after its release"
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,12 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             ft = getattr(trainer.strategy, "ft", None)
-            write("step", step=trainer.global_step, participants=ft.step.participants if ft else 2,
-                  heals=ft.heals if ft else 0)  # fmt: skip
+            write(
+                "step",
+                step=trainer.global_step,
+                participants=ft.step.participants if ft else 2,
+                heals=ft.heals if ft else 0,
+            )
 
         def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
             flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -90,15 +94,28 @@ def _run(mode: str, replica: int, log: str, port: int, wait_for: str | None) -> 
         while not (flags / wait_for).exists():
             time.sleep(0.02)
     ft = lightscale.FaultTolerance(
-        replica_id=f"replica_{replica}", lighthouse=f"http://127.0.0.1:{port}", data_shards=2,
-        min_replicas=1 if mode == "ft_kill" else 2, timeout_s=5, quorum_timeout_s=30,
-    )  # fmt: skip
+        replica_id=f"replica_{replica}",
+        lighthouse=f"http://127.0.0.1:{port}",
+        data_shards=2,
+        min_replicas=1 if mode == "ft_kill" else 2,
+        timeout_s=5,
+        quorum_timeout_s=30,
+    )
     strategy = BucketedDDPStrategy(fault_tolerant=ft)
     # Each replica saves the portable layout at the end of the short run (the torchft step count in it).
     saves = [ModelCheckpoint(dirpath=flags / f"checkpoints{replica}", every_n_train_steps=steps)] * (mode == "ft")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps,
-                         logger=False, enable_checkpointing=bool(saves), enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Events(), *saves], limit_val_batches=0)  # fmt: skip
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=bool(saves),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Events(), *saves],
+        limit_val_batches=0,
+    )
     trainer.fit(Regression())
 
 
@@ -122,8 +139,9 @@ def _launches(tmp_path: Path, min_replicas: int, script: str = __file__) -> Any:
             out = open(tmp_path / f"{mode}{replica}.{len(procs)}.txt", "wb")  # noqa: SIM115 - closed with the process
             cmd = [sys.executable, script, mode, str(replica), str(tmp_path / "events"), str(port), wait_for]
             launch_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-            procs.append(subprocess.Popen(cmd, env=launch_env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, env=launch_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            )
             return procs[-1]
 
         try:
@@ -162,8 +180,10 @@ def _bucketed_ddp_at_world_size_two(steps: int) -> Any:
     y = x.sum(-1, keepdim=True).sin()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
-    shards = [list(ExactlyOnceSampler(range(SAMPLES), batch_size=BATCH, num_replicas=2, rank=k, shuffle=True))
-              for k in range(2)]  # fmt: skip
+    shards = [
+        list(ExactlyOnceSampler(range(SAMPLES), batch_size=BATCH, num_replicas=2, rank=k, shuffle=True))
+        for k in range(2)
+    ]
     for step in range(steps):
         optimizer.zero_grad()
         for shard in shards:
@@ -269,8 +289,10 @@ def test_a_killed_replica_rejoins_while_the_survivor_trains_on(tmp_path: Path) -
     log = (tmp_path / "ft_kill1.2.txt").read_text()
     assert "lightscale-ft: healed from replica_0 at step" in log
     assert "committed, 1 replica(s)" in (tmp_path / "ft_kill0.0.txt").read_text()
-    print(f"survivor alone {alone_at - killed_at:.1f} s after the kill; the replacement's first step "
-          f"{rejoined_at - alone_at:.1f} s after its release")  # fmt: skip
+    print(
+        f"survivor alone {alone_at - killed_at:.1f} s after the kill; the replacement's first step "
+        f"{rejoined_at - alone_at:.1f} s after its release"
+    )
 
 
 if __name__ == "__main__":

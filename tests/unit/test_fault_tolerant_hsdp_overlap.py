@@ -25,7 +25,7 @@ pytest.importorskip("torchft")
 
 
 class WithScalar(Regression):
-    """A 0-dimensional parameter beside the sharded ones (FSDP2 leaves it out: lightscale/parallel/scalar_params.py)."""
+    """A 0-dimensional parameter beside the sharded ones (FSDP2 leaves it out: ScalarGradients in lightscale/parallel/fsdp.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,9 +39,18 @@ def _fit_in_this_process(module: pl.LightningModule, steps: int, accumulate: int
     manager = FakeManager(participants=2)
     strategy = FSDP2Strategy(fault_tolerant=SETTINGS, dp_replicate=1, unit_classes=["Linear"])
     strategy.ft = ShardedFaultTolerantReplica(SETTINGS, manager=manager)  # the fake in place of torchft's
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module)
     params = [p.detach() for p in module.parameters()]
     return {"params": [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params], "reduced": manager.reduced}
