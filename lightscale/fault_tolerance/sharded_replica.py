@@ -4,8 +4,8 @@ inside (plain FSDP2 over its own ranks); the replicate dimension across launches
 Inside backward, as FSDP2's reduce-scatter of each group is in (its ``set_all_reduce_hook``), rank ``r`` starts
 averaging that group's gradient shard with rank ``r`` of the other replicas of the step
 (lightscale/fault_tolerance/step.py), while backward goes on; all are waited on before ``should_commit`` gates the
-optimizer step. The 0-dimensional parameters FSDP2 leaves out (ScalarGradients in lightscale/parallel/fsdp.py) are averaged
-once backward ran. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local
+optimizer step. The 0-dimensional parameters FSDP2 leaves out (``ScalarGradients``, lightscale/parallel/fsdp.py)
+are averaged once backward ran. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local
 tensors and is wrapped back into DTensors like this replica's own parameters on load.
 """
 

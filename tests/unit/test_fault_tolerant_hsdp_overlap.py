@@ -25,7 +25,7 @@ pytest.importorskip("torchft")
 
 
 class WithScalar(Regression):
-    """A 0-dimensional parameter beside the sharded ones (FSDP2 leaves it out: ScalarGradients in lightscale/parallel/fsdp.py)."""
+    """A 0-dimensional parameter beside the sharded ones (FSDP2 leaves it out: lightscale/parallel/fsdp.py)."""
 
     def __init__(self) -> None:
         super().__init__()
