@@ -5,8 +5,8 @@ Inside backward, as FSDP2's reduce-scatter of each group is in (its ``set_all_re
 averaging that group's gradient shard with rank ``r`` of the other replicas of the step
 (lightscale/fault_tolerance/step.py), while backward goes on; all are waited on before ``should_commit`` gates the
 optimizer step. The 0-dimensional parameters FSDP2 leaves out (``ScalarGradients``, lightscale/parallel/fsdp.py)
-are averaged once backward ran. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state travels as local
-tensors and is wrapped back into DTensors like this replica's own parameters on load.
+are averaged once backward ran. A healing rank ``r`` receives rank ``r``'s shards from a live replica: the state
+travels as local tensors and is wrapped back into DTensors like this replica's own parameters on load.
 """
 
 from __future__ import annotations
