@@ -296,8 +296,10 @@ def test_a_killed_hsdp_replica_heals_rank_by_rank_and_the_lost_job_resumes_from_
     committed = by[survivor.pid, 0]["committed"]  # ... at MAX_STEPS, the same on the healed replica
     at_save = {0: committed, 1: committed - sum(bool(parts[step]) for step in range(SAVE_AT[1] + 1, MAX_STEPS + 1))}
     # The replacement's sampler is ahead of Lightning's batch count by the heal's jump (one batch a step, epoch 0).
+    # The survivor's too, where it healed at its first quorum (the other replica had stepped alone before it met).
     healed_at = int(re.search(r"healed from replica_0 at step (\d+)", logs[tmp_path / "ft1.2.txt"]).group(1))
-    offset = {0: [0, 0], 1: [0, healed_at]}
+    first_heal = re.search(r"healed from replica_1 at step (\d+)", logs[tmp_path / "ft0.0.txt"])
+    offset = {0: [0, int(first_heal.group(1)) if first_heal else 0], 1: [0, healed_at]}
     for replica in (0, 1):
         saved = tmp_path / f"checkpoints{replica}" / f"epoch=0-step={SAVE_AT[replica]}.ckpt"
         state = torch.load(saved / "trainer_state.pt", weights_only=False)["lightscale"]["fault_tolerance"]
