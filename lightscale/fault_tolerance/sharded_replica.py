@@ -62,38 +62,62 @@ class ShardedFaultTolerantReplica(FaultTolerantReplica):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.launched: list[Any] = []  # this step's works started inside backward, waited on before the commit
-        self.hooked: set[nn.Parameter] = set()  # averaged by the hooks (the rest once backward ran)
+        # This step's works started inside backward, each with the stream it was launched on (FSDP2 runs the hook on
+        # its all-reduce stream on GPUs; torchft's wait must be on that stream), waited on before the commit.
+        self.launched: list[tuple[Any, Any]] = []
+        self.hooked: set[nn.Parameter] = set()  # averaged by the hooks (the rest once backward ran) ...
+        self.deferred: set[nn.Parameter] = set()  # ... unless a hook left its group to after backward this step
+        self._modules: list[FSDPModule] = []
 
     @override
     def join(self, trainer: Trainer, loader: object) -> None:
         self.hooked = set()
-        for module in trainer.lightning_module.modules():
-            if isinstance(module, FSDPModule):
-                params = _group_parameters(module)
-                module.set_all_reduce_hook(lambda output, params=params: self._launch_group(output, params))
-                self.hooked.update(params)
+        self._modules = [module for module in trainer.lightning_module.modules() if isinstance(module, FSDPModule)]
+        for module in self._modules:
+            params = _group_parameters(module)
+            module.set_all_reduce_hook(lambda output, params=params: self._launch_group(output, params))
+            self.hooked.update(params)
         super().join(trainer, loader)
+
+    @override
+    def finish(self) -> None:
+        for module in self._modules:  # a backward after the run (no step to average in) must not reach the replica
+            module.set_all_reduce_hook(None)  # type: ignore[arg-type]
+        self._modules = []
+        super().finish()
 
     def _launch_group(self, output: Tensor, params: list[nn.Parameter]) -> None:
         """FSDP2's hook: ``output`` is the group's reduce-scattered flat shard, which its gradients view from here on
-        (a micro-step under ``no_gradient_sync`` reduces nothing, so calls nothing). Where FSDP2 reads ``output``
-        again in this call (a cast to another dtype, a copy to the CPU, a sum into gradients kept from an earlier
-        backward, a division after the reduction), the average is waited on here, before it does."""
-        work = self.launch(output)
-        if _viewed_in_place(output, params):
-            self.launched.append(work)
-        else:
-            work.wait()
+        (a micro-step under ``no_gradient_sync`` reduces nothing, so calls nothing). Where FSDP2 goes on to read
+        ``output`` (a cast to the parameters' dtype, as under ``compression="bf16"``; a copy to the CPU; a sum into
+        gradients kept from an earlier backward of the same step; a division after the reduction), the group is
+        averaged after backward instead, on the gradients FSDP2 leaves: as before the hooks, the same numbers. The
+        works already started are waited on first: a second backward sums into the gradients they write."""
+        if not _viewed_in_place(output, params):
+            self._wait_launched()
+            self.deferred.update(params)
+            return
+        stream = torch.cuda.current_stream() if output.is_cuda else None
+        self.launched.append((self.launch(output), stream))
+
+    def _wait_launched(self) -> None:
+        launched, self.launched = self.launched, []
+        for work, stream in launched:
+            if stream is None:
+                work.wait()
+                continue
+            with torch.cuda.stream(stream):  # torchft's wait checks it is on the stream of the launch
+                work.wait()
+            torch.cuda.current_stream().wait_stream(stream)  # the optimizer reads what that stream wrote
 
     @override
     def gradients_after_backward(self) -> list[Tensor]:
-        """The averages the hooks started, waited on; then what no hook covered (the 0-dimensional parameters)."""
-        launched, self.launched = self.launched, []
-        for work in launched:
-            work.wait()
+        """The averages the hooks started, waited on; then what no hook covered (the 0-dimensional parameters, and
+        groups a hook left to after backward this step)."""
+        self._wait_launched()
+        deferred, self.deferred = self.deferred, set()
         assert self.trainer is not None
-        params = (p for p in self.trainer.lightning_module.parameters() if p not in self.hooked)
+        params = (p for p in self.trainer.lightning_module.parameters() if p not in self.hooked or p in deferred)
         return local_gradient_shards(params)
 
     def state_dict(self) -> dict[str, Any]:

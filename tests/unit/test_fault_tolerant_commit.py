@@ -46,10 +46,14 @@ class _Work:
     """What torchft's ``allreduce`` returns: ``wait()`` never raises; False when the reduction failed (reported to
     the manager)."""
 
-    def __init__(self, ok: bool) -> None:
+    def __init__(self, ok: bool, finish: Any = None) -> None:
         self.ok = ok
+        self.finish = finish  # torchft divides by the participants only in wait(): a missed wait shows
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
         return self.ok
 
 
@@ -92,9 +96,10 @@ class FakeManager:
             self.report_error(RuntimeError("gloo: connection reset by peer"))
             return _Work(False)
         tensor.add_(PEER_GRADIENT[self._step % len(PEER_GRADIENT)])  # the peers' sum (one peer here)
-        if reduce_op == ReduceOp.AVG:
-            tensor /= self.participants  # torchft: the mean over the replicas in the quorum
-        return _Work(True)
+        if reduce_op != ReduceOp.AVG:
+            return _Work(True)
+        participants = self.participants
+        return _Work(True, lambda: tensor.div_(participants))  # torchft: the mean over the quorum, at wait()
 
     def report_error(self, e: Exception) -> None:
         self._errored = e

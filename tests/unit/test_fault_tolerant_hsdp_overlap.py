@@ -91,3 +91,24 @@ def test_fsdp2s_hook_is_the_one_this_replica_registers() -> None:
     assert (
         list(parameters) == ["self", "hook", "stream"] and parameters["stream"].kind is inspect.Parameter.KEYWORD_ONLY
     )
+
+
+def test_a_second_backward_of_the_step_waits_the_first_and_leaves_its_group_to_after_backward() -> None:
+    """Manual optimization may run backward twice before the step: FSDP2 then sums the new shard into gradients that
+    the first backward's average (still in flight) writes, so that average is waited on first and the group is
+    averaged once backward ran, on the sum (the first part is already the same on every replica: linear)."""
+    replica = ShardedFaultTolerantReplica(SETTINGS, manager=FakeManager(participants=2))
+    events: list[str] = []
+
+    class Work:
+        def wait(self, timeout: Any = None) -> bool:
+            events.append("waited")
+            return True
+
+    replica.launch = lambda tensor: events.append("launched") or Work()  # type: ignore[method-assign]
+    param = nn.Parameter(torch.zeros(3))
+    replica._launch_group(torch.zeros(3), [param])  # the first backward: FSDP2 will only view the shard
+    assert events == ["launched"] and not replica.deferred
+    param.grad = torch.ones(3)  # what the first backward left
+    replica._launch_group(torch.zeros(3), [param])  # the second: FSDP2 sums into param.grad after the hook
+    assert events == ["launched", "waited"] and replica.deferred == {param}

@@ -34,8 +34,8 @@ def inner_strategy(inner: Inner | InnerStrategy | BucketedDDPStrategy | FSDP2Str
     """What the worker asks its questions of: a name builds the strategy with its defaults, under its adapter
     (diloco/inner.py); a ``BucketedDDPStrategy`` or ``FSDP2Strategy`` runs its own settings (bucket sizes, bf16 or
     PowerSGD gradients, FSDP2's reduce dtype) under its adapter; an object satisfying
-    :class:`~lightscale.strategies.diloco.inner.InnerStrategy` is used as given; an object after refusing the
-    settings it says cannot nest."""
+    :class:`~lightscale.strategies.diloco.inner.InnerStrategy` is used as given; each after refusing the settings it
+    says cannot nest."""
     if isinstance(inner, str) and inner in INNER_CLASSES:
         return WORKER_ADAPTERS[INNER_CLASSES[inner]](INNER_CLASSES[inner]())  # type: ignore[arg-type]
     worker = None if isinstance(inner, str) else worker_adapter(inner)

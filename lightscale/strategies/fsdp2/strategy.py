@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightscale.errors import ConfigurationError
 from lightscale.estimate.memory_layout import Layout
 from lightscale.estimate.plan import Plannable
-from lightscale.fault_tolerance import replica as fault_tolerant_step
+from lightscale.fault_tolerance.replica import replica_fault_tolerance
 from lightscale.fault_tolerance.settings import FaultTolerance
 from lightscale.fault_tolerance.sharded_replica import (
     ShardedFaultTolerantReplica,
@@ -173,7 +173,7 @@ class FSDP2Strategy(LightscaleStrategy):
         fault_tolerant: FaultTolerance | bool = False,
         **kwargs: Any,
     ) -> None:
-        ft = fault_tolerant_step.replica_fault_tolerance(fault_tolerant, compression=compression)
+        ft = replica_fault_tolerance(fault_tolerant, compression=compression)
         super().__init__(**kwargs)
         check_replicate_under_ft(ft, dp_replicate)
         self.ft = ShardedFaultTolerantReplica(ft) if ft is not None else None
