@@ -55,7 +55,7 @@ from lightscale.strategies.base import LightscaleStrategy
 from lightscale.strategies.class_info import SEVERAL_OPTIMIZERS, init_arguments
 from lightscale.strategies.ddp.strategy import BucketedDDPStrategy
 from lightscale.strategies.diloco.checkpoint import DILOCO_WRITER, check_file_format
-from lightscale.strategies.diloco.inner import BucketedDDPWorker, FSDP2Worker, InnerStrategy
+from lightscale.strategies.diloco.inner import InnerStrategy
 from lightscale.strategies.diloco.workers import (
     DEFAULT_INNER,
     Inner,
@@ -170,10 +170,9 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_synchronous_steps(synchronous_steps, fault_tolerant=self.ft_settings is not None)
         check_outer_settings(mode, compression)
         self.workers, self.mode, self.compression = workers, mode, compression
-        # What the worker asks its questions of (an adapter, diloco/inner.py); .inner stays the strategy object
-        # given or built from the name (a user's own InnerStrategy: itself).
+        # What the worker asks its questions of (an adapter, diloco/inner.py; a user's own InnerStrategy: itself).
         self.inner_worker = inner
-        self.inner = inner.strategy if isinstance(inner, BucketedDDPWorker | FSDP2Worker) else inner
+        self.inner = inner  # other modules ask it too (checkpoint.py, callbacks)
         self.synchronous_steps = synchronous_steps
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
