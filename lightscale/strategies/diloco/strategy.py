@@ -127,14 +127,12 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def optimizer_parameter_view(self) -> ParameterView:
-        return (
-            self.inner_worker.optimizer_parameter_view()
-        )  # the inner strategy's optimizer steps a worker's parameters
+        return self.inner.optimizer_parameter_view()  # the inner strategy's optimizer steps a worker's parameters
 
     @property
     @override
     def runs_stochastic_weight_averaging(self) -> bool:
-        return not self.inner_worker.shards_parameters  # each worker's whole replica under a reducer
+        return not self.inner.shards_parameters  # each worker's whole replica under a reducer
 
     def __init__(
         self,
@@ -171,8 +169,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         check_outer_settings(mode, compression)
         self.workers, self.mode, self.compression = workers, mode, compression
         # What the worker asks its questions of (an adapter, diloco/inner.py; a user's own InnerStrategy: itself).
-        self.inner_worker = inner
-        self.inner = inner  # other modules ask it too (checkpoint.py, callbacks)
+        self.inner = inner
         self.synchronous_steps = synchronous_steps
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.activation_checkpointing, self.compile, self.meta_init = activation_checkpointing, compile, meta_init
@@ -184,7 +181,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     def memory_layout(self, world_size: int) -> Layout:
         """The inner layout inside a worker, plus the outer state (lightscale/strategies/diloco/workers.py)."""
         momentum = self.mode == "diloco" and self.outer_momentum > 0
-        dims, sharded = self.parallel_dims(world_size), self.inner_worker.shards_parameters
+        dims, sharded = self.parallel_dims(world_size), self.inner.shards_parameters
         return diloco_layout(
             type(self).__name__, dims, sharded, momentum, self.compression, self.activation_checkpointing
         )
@@ -226,7 +223,7 @@ class DiLoCoStrategy(LightscaleStrategy):
         if self.ft is None or not trainer.training:
             return loader
         worker = axis(self.device_mesh, "dp_shard")
-        replicas = worker.get_group() if worker.size() > 1 and not self.inner_worker.shards_parameters else None
+        replicas = worker.get_group() if worker.size() > 1 and not self.inner.shards_parameters else None
         join_first_quorum(self.ft, loader, trainer, model=self.model, replicas=replicas)
         return loader
 
@@ -237,7 +234,7 @@ class DiLoCoStrategy(LightscaleStrategy):
     @property
     def shard(self) -> int:
         """This rank's position among its worker's shards (0 when the inner strategy replicates)."""
-        return self.global_rank % self.dims.dp_shard if self.inner_worker.shards_parameters else 0
+        return self.global_rank % self.dims.dp_shard if self.inner.shards_parameters else 0
 
     # ---- the model -----------------------------------------------------------------------------------------
     @contextmanager
@@ -253,14 +250,14 @@ class DiLoCoStrategy(LightscaleStrategy):
     @override
     def configure_precision(self, plugin: Precision) -> Precision:
         refuse_float8(precision_name(plugin))  # reachable through lightning.Trainer, which skips the family check
-        return self.inner_worker.inner_precision(plugin, self.root_device.type)
+        return self.inner.inner_precision(plugin, self.root_device.type)
 
     @override
     def apply_parallelism(self, module: LightningModule) -> nn.Module:
         """Every rank starts from rank 0's weights; the one parallelize path inside a worker, OuterSync across."""
-        sharded = self.inner_worker.shards_parameters
+        sharded = self.inner.shards_parameters
         options = replace(
-            self.inner_worker.inner_options(
+            self.inner.inner_options(
                 precision_name(self.precision_plugin),
                 activation_checkpointing=self.activation_checkpointing,
                 compile=self.compile,
@@ -280,7 +277,7 @@ class DiLoCoStrategy(LightscaleStrategy):
             rng_state=lambda: self.broadcast(self._rng_state),
         )
         worker = axis(self.device_mesh, "dp_shard")
-        self.inner_worker.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
+        self.inner.start_inner_sync(module, worker.get_group() if worker.size() > 1 else None)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.outer, self.ft = self._outer_sync(module)
         return module
@@ -345,12 +342,12 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.inner_worker.before_inner_step()
+        self.inner.before_inner_step()
         return super().training_step(*args, **kwargs)
 
     @override
     def gradient_sync_context(self) -> AbstractContextManager:
-        return self.inner_worker.inner_no_sync(self.model)
+        return self.inner.inner_no_sync(self.model)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -393,7 +390,7 @@ class DiLoCoStrategy(LightscaleStrategy):
 
     @override
     def teardown(self) -> None:
-        self.inner_worker.stop_inner_sync()
+        self.inner.stop_inner_sync()
         if self.ft is not None:
             self.ft.shutdown()
             self.ft = None
